@@ -1,0 +1,46 @@
+import pytest
+
+from yaie.cache.block_pool import BlockPool, NoFreeBlocksError
+
+
+def test_allocate_and_free_round_trip():
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    assert len(set(blocks)) == 3 and pool.num_free == 1 and pool.num_used == 3
+    assert all(pool.ref_count(b) == 1 for b in blocks)
+    pool.free(blocks)
+    assert pool.num_free == 4 and all(pool.ref_count(b) == 0 for b in blocks)
+
+
+def test_shared_block_returns_only_after_last_reference():
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.incref([block])
+    assert pool.ref_count(block) == 2
+    pool.free([block])
+    assert pool.num_free == 1 and pool.ref_count(block) == 1
+    pool.free([block])
+    assert pool.num_free == 2
+
+
+def test_over_allocation_raises_and_changes_nothing():
+    pool = BlockPool(2)
+    pool.allocate(1)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+    assert pool.num_free == 1
+
+
+def test_double_free_and_sharing_a_free_block_are_errors():
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([block])
+    with pytest.raises(ValueError, match="is free"):
+        pool.incref([block])
+
+
+def test_empty_pool_is_rejected():
+    with pytest.raises(ValueError):
+        BlockPool(0)

@@ -1,0 +1,1 @@
+"""KV cache bookkeeping. Pure Python: no torch import anywhere in this package."""

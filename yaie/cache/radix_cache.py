@@ -1,0 +1,309 @@
+"""A radix-tree prefix cache over the paged KV pool (the idea behind SGLang's RadixAttention).
+
+Finished (or prefilled) requests hand their full KV blocks to the tree, keyed by the tokens they
+hold. A later request whose prompt starts with the same tokens gets those blocks back from
+`match_prefix` and skips recomputing them.
+
+Caching is block-granular: only full blocks of `block_size` tokens are keyed, and every edge holds
+a whole number of blocks. Each child is found in its parent's dict by the tokens of its FIRST block,
+so siblings always differ in their first block and a lookup costs one dict probe per edge.
+
+Layout with block_size = 2, after inserting [1 2 3 4 5 6] on blocks [7 8 9] and then
+[1 2 3 4 9 9] on blocks [3 4 5]. The second insert shares the first two blocks' worth of tokens
+([1 2 3 4] → blocks 7 8), so the original edge is split at that block boundary; block 3 and 4 (the
+caller's duplicates of 7 and 8) are not adopted, only block 5 is:
+
+    root
+     └─ key (1, 2)  tokens [1 2 | 3 4]   blocks [7, 8]
+         ├─ key (5, 6)  tokens [5 6]     blocks [9]      ← leaf
+         └─ key (9, 9)  tokens [9 9]     blocks [5]      ← leaf
+
+A block's KV depends on every token before it, so a block is only meaningful at the end of the
+path from the root that leads to it; that is why eviction only ever trims the ends of leaves.
+
+Ownership: `BlockPool` counts references. The tree holds exactly one on each block it caches; each
+request holds its own. A cached block whose count is 1 is held only by the tree and may be evicted.
+This module is pure Python and must never import torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+from yaie.cache.block_pool import BlockPool
+
+
+class _Node:
+    """One edge of the tree plus the node at its lower end.
+
+    `tokens` is the edge's token run (a multiple of block_size long, except on the root, where it is
+    empty) and `blocks` holds one block id per block_size tokens of it.
+    """
+
+    __slots__ = ("blocks", "children", "heap_id", "last_access", "parent", "tokens")
+
+    def __init__(self, tokens: tuple[int, ...], blocks: list[int], parent: _Node | None, stamp: int) -> None:
+        self.tokens = tokens
+        self.blocks = blocks
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.last_access = stamp
+        # Id of this node's one valid eviction-heap entry; older entries for it are stale (see _push_leaf).
+        self.heap_id = -1
+
+
+class RadixCache:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self._clock = 0
+        self._root = _Node((), [], None, 0)
+        self._cached: set[int] = set()
+        self._num_nodes = 0  # excluding the root
+        # Min-heap of (last_access, heap_id, node) over leaves, with lazy deletion: entries are never
+        # removed when a node is touched, gains a child or is detached; they are skipped when popped
+        # because their heap_id no longer matches the node's. heap_id also breaks ties in last_access.
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._next_heap_id = 0
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the tree holds a reference on."""
+        return len(self._cached)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks only the tree holds (ref count 1) that `evict` can actually free right now.
+
+        A tree-only block that sits above a block some request still holds (same edge further down,
+        or a descendant) is not counted: freeing it would cut the held block off from the root, so
+        `evict` leaves it until that request lets go. So `evict(n)` frees exactly
+        `min(n, num_evictable_blocks)`. Costs one walk over the tree.
+        """
+        total = 0
+        # Iterative post-order (the tree can be deeper than Python's recursion limit).
+        # whole[node] says every block in node's subtree, its own edge included, is tree-only.
+        whole: dict[int, bool] = {}
+        for node in self._post_order():
+            children_whole = all([whole.pop(id(child)) for child in node.children.values()])
+            if not children_whole:
+                whole[id(node)] = False
+                continue
+            trailing = self._count_tree_only_tail(node.blocks, len(node.blocks))
+            total += trailing
+            whole[id(node)] = trailing == len(node.blocks)
+        return total
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached block-aligned prefix of token_ids.
+
+        Takes one pool reference on each returned block for the caller (release with pool.free)
+        and marks the matched path as recently used.
+        """
+        bs = self.block_size
+        n_blocks = len(token_ids) // bs
+        matched: list[int] = []
+        path: list[_Node] = []
+        node = self._root
+        pos = 0  # in blocks
+        while pos < n_blocks:
+            child = node.children.get(tuple(token_ids[pos * bs : (pos + 1) * bs]))
+            if child is None:
+                break
+            k = self._common_blocks(child, token_ids, pos, n_blocks)
+            matched.extend(child.blocks[:k])
+            path.append(child)
+            pos += k
+            if k < len(child.blocks):
+                # Diverged (or ran out of full blocks) inside this edge. No split here: match
+                # only reads the tree; insert splits when it actually has something to add.
+                break
+            node = child
+        if path:
+            self._touch(path)
+        self.pool.incref(matched)
+        return matched
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> int:
+        """Cache the full blocks of token_ids that block_ids covers; return the tokens already cached.
+
+        Blocks the tree already holds for the same prefix are kept; the caller's duplicates are not
+        adopted (the caller frees its own copies). New blocks get one tree reference each.
+        """
+        bs = self.block_size
+        n_blocks = min(len(block_ids), len(token_ids) // bs)
+        node = self._root
+        path: list[_Node] = []
+        pos = 0
+        while pos < n_blocks:
+            key = tuple(token_ids[pos * bs : (pos + 1) * bs])
+            child = node.children.get(key)
+            if child is None:
+                new_blocks = list(block_ids[pos:n_blocks])
+                self._check_adoptable(new_blocks)
+                self.pool.incref(new_blocks)
+                self._cached.update(new_blocks)
+                leaf = _Node(tuple(token_ids[pos * bs : n_blocks * bs]), new_blocks, node, self._clock)
+                node.children[key] = leaf
+                self._num_nodes += 1
+                path.append(leaf)
+                break
+            k = self._common_blocks(child, token_ids, pos, n_blocks)
+            if k < len(child.blocks):
+                child = self._split(child, k)
+            path.append(child)
+            pos += k
+            node = child
+        if path:
+            self._touch(path)
+        return pos * bs
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to num_blocks tree-only blocks, least recently used leaves first.
+
+        Trims blocks off the END of a leaf's edge (a block's KV is only usable after all the blocks
+        before it, so the tail is what can go); a leaf emptied this way is removed, and its parent may
+        become the next leaf. Returns how many blocks went back to the free list.
+        """
+        freed = 0
+        blocked: list[_Node] = []
+        while freed < num_blocks and self._heap:
+            _, heap_id, node = heapq.heappop(self._heap)
+            if heap_id != node.heap_id or node.children or node.parent is None:
+                continue  # stale entry: node was touched, gained a child, or left the tree
+            blocks = node.blocks
+            k = self._count_tree_only_tail(blocks, num_blocks - freed)
+            if k:
+                victims = blocks[len(blocks) - k :]
+                self.pool.free(victims)  # each had ref count 1, so each goes to the free list
+                self._cached.difference_update(victims)
+                freed += k
+                if k == len(blocks):
+                    self._detach(node)
+                    continue
+                node.blocks = blocks[: len(blocks) - k]
+                node.tokens = node.tokens[: len(node.blocks) * self.block_size]
+            # Still a leaf with blocks: either its tail is held by a request or we reached
+            # num_blocks. Set it aside (re-pushing now would pop it again in this loop).
+            blocked.append(node)
+        for node in blocked:
+            self._push_leaf(node)
+        return freed
+
+    def reset(self) -> None:
+        """Drop every tree reference; blocks that requests still hold stay held."""
+        for node in self._post_order():
+            if node is not self._root:
+                self.pool.free(node.blocks)
+        self._root = _Node((), [], None, 0)
+        self._cached.clear()
+        self._num_nodes = 0
+        self._heap.clear()
+
+    # ---------------------------------------------------------------- internals
+
+    def _common_blocks(self, child: _Node, token_ids: Sequence[int], pos: int, n_blocks: int) -> int:
+        """How many whole blocks of child's edge equal token_ids from block `pos` on (at least 1:
+        the caller found child by its first block)."""
+        bs = self.block_size
+        limit = min(len(child.blocks), n_blocks - pos)
+        k = 1
+        edge = child.tokens
+        while k < limit:
+            start = (pos + k) * bs
+            if edge[k * bs : (k + 1) * bs] != tuple(token_ids[start : start + bs]):
+                break
+            k += 1
+        return k
+
+    def _split(self, child: _Node, k: int) -> _Node:
+        """Split child's edge after its first k blocks and return the new upper node.
+
+        The lower part keeps the original node object so any heap entry for it stays valid, and
+        its dict key under the new node is its new first block.
+        """
+        bs = self.block_size
+        parent = child.parent
+        assert parent is not None and 0 < k < len(child.blocks)
+        upper = _Node(child.tokens[: k * bs], child.blocks[:k], parent, child.last_access)
+        child.tokens = child.tokens[k * bs :]
+        child.blocks = child.blocks[k:]
+        child.parent = upper
+        upper.children[child.tokens[:bs]] = child
+        parent.children[upper.tokens[:bs]] = upper  # same first block, so same key as before
+        self._num_nodes += 1
+        return upper
+
+    def _touch(self, path: list[_Node]) -> None:
+        """Stamp every node on path as used now.
+
+        Stamping the whole path keeps parent.last_access >= child.last_access, so a leaf is always
+        the least recent node of its subtree and LRU order over leaves is LRU order over the tree.
+        """
+        self._clock += 1
+        for node in path:
+            node.last_access = self._clock
+        last = path[-1]
+        if not last.children:
+            self._push_leaf(last)
+
+    def _push_leaf(self, node: _Node) -> None:
+        self._next_heap_id += 1
+        node.heap_id = self._next_heap_id
+        heapq.heappush(self._heap, (node.last_access, node.heap_id, node))
+        # Every match of a leaf adds an entry, so stale ones pile up if evict seldom runs.
+        # Rebuild from the current leaves when the heap gets much bigger than the tree.
+        if len(self._heap) > 4 * self._num_nodes + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        self._heap = []
+        for node in self._post_order():
+            if node is not self._root and not node.children:
+                self._next_heap_id += 1
+                node.heap_id = self._next_heap_id
+                self._heap.append((node.last_access, node.heap_id, node))
+        heapq.heapify(self._heap)
+
+    def _detach(self, node: _Node) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.tokens[: self.block_size]]
+        node.parent = None
+        self._num_nodes -= 1
+        if parent is not self._root and not parent.children:
+            self._push_leaf(parent)  # it is a leaf now, so it can be evicted in turn
+
+    def _count_tree_only_tail(self, blocks: list[int], limit: int) -> int:
+        """Length of the run of tree-only blocks (ref count 1) at the end of blocks, capped at limit."""
+        k = 0
+        n = len(blocks)
+        while k < limit and k < n and self.pool.ref_count(blocks[n - 1 - k]) == 1:
+            k += 1
+        return k
+
+    def _check_adoptable(self, blocks: list[int]) -> None:
+        # Checked before any incref so a bad call leaves the pool and tree untouched.
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"insert got the same block twice: {blocks}")
+        for block_id in blocks:
+            if block_id in self._cached:
+                raise ValueError(f"block {block_id} is already cached for a different prefix")
+            if self.pool.ref_count(block_id) == 0:
+                raise ValueError(f"block {block_id} is free; the caller must hold the blocks it inserts")
+
+    def _post_order(self) -> Iterator[_Node]:
+        """Every node, root included, children before parents, without recursion."""
+        stack: list[tuple[_Node, bool]] = [(self._root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                yield node
+            else:
+                stack.append((node, True))
+                stack.extend((child, False) for child in node.children.values())

@@ -1,0 +1,28 @@
+"""Engine configuration: everything a user can tune, in one place, with vLLM's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a .gguf file or a HF directory; None = the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    kv_cache_memory: int | None = None  # bytes; None = a fraction of free memory, capped
+    max_num_seqs: int = 64  # most requests decoding together
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch CPU threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")

@@ -1,0 +1,63 @@
+"""`LLM`: the synchronous, offline API, shaped like vLLM's so its users already know it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from yaie.config import EngineConfig
+from yaie.engine.engine import Engine
+from yaie.outputs import RequestOutput
+from yaie.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model`: a .gguf file or HF directory (None = the bundled SmolLM2-135M-Instruct).
+        Other keyword arguments are EngineConfig fields (dtype, max_num_seqs, num_kv_blocks, ...)."""
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Like generate, with each conversation formatted by the model's own chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.encode_chat(conversation) for conversation in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.engine.encode_chat(messages)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+        except BaseException:
+            for request_id in request_ids:  # leave the engine clean for the next call
+                if request_id not in done:
+                    self.engine.abort(request_id)
+            raise
+        return [done[request_id] for request_id in request_ids]

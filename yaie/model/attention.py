@@ -1,0 +1,89 @@
+"""Paged attention: K/V are written into fixed-size blocks and read back through block tables.
+
+This is the one module that knows how attention touches the KV cache. It does it with plain
+PyTorch (a gather of each sequence's blocks, then scaled_dot_product_attention); a fused
+kernel can replace `paged_attention` without anything else changing.
+
+Cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
+Token t of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`;
+its flat "slot" is block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence computing several tokens this step (a prompt or a chunk of one)."""
+
+    start: int  # first of its tokens in the packed batch
+    num_tokens: int
+    # Set when earlier tokens are already cached (chunked prefill, prefix hit): the blocks to read
+    # and a [num_tokens, context_len] mask saying which keys each query may see.
+    block_table: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes
+    prefills: list[PrefillSeq]
+    # Decoding sequences (one new token each), batched into a single attention call.
+    decode_token_idx: torch.Tensor | None = None  # [decodes] positions in the packed batch; None = all
+    decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size]: key is valid
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., max_blocks] block ids -> [..., kv_heads, max_blocks * block_size, head_dim]."""
+    blocks = cache[block_table]  # [..., max_blocks, block_size, kv_heads, head_dim]
+    return blocks.flatten(-4, -3).transpose(-3, -2)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != num_kv_heads
+    out = torch.empty_like(q)
+
+    for seq in meta.prefills:
+        rows = slice(seq.start, seq.start + seq.num_tokens)
+        qs = q[rows].transpose(0, 1)  # [heads, n, head_dim]
+        if seq.block_table is None:  # the whole context is in this batch: plain causal attention
+            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        else:
+            context_len = seq.mask.shape[-1]
+            ks = _gather(k_cache, seq.block_table)[:, :context_len]
+            vs = _gather(v_cache, seq.block_table)[:, :context_len]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=gqa)
+        out[rows] = o.transpose(0, 1)
+
+    if meta.num_decodes:
+        idx = meta.decode_token_idx
+        qd = (q if idx is None else q[idx]).unsqueeze(2)  # [decodes, heads, 1, head_dim]
+        kd = _gather(k_cache, meta.decode_block_tables)  # [decodes, kv_heads, len, head_dim]
+        vd = _gather(v_cache, meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
+        if idx is None:
+            out = o.squeeze(2)
+        else:
+            out[idx] = o.squeeze(2)
+    return out

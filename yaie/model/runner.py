@@ -1,0 +1,93 @@
+"""ModelRunner: owns the model and the KV cache tensor; turns a scheduled batch into logits."""
+
+from __future__ import annotations
+
+import torch
+
+from yaie.engine.scheduler import SchedulerOutput
+from yaie.model.attention import AttentionMetadata, PrefillSeq
+from yaie.model.llama import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = model.embed_tokens.device
+        # One tensor for the whole cache: [layers, K/V, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=dtype, device=self.device,
+        )  # fmt: skip
+        for layer, kv in zip(model.layers, self.kv_cache, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
+
+    @staticmethod
+    def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+        cfg = model.config
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Run one forward over every scheduled token; logits [sampling requests, vocab] come back
+        for the requests that reach their last token (in batch order)."""
+        input_ids, positions, meta, logits_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_rows])
+
+    def _prepare(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        logits_rows: list[int] = []
+        for item in batch.scheduled:
+            request, n = item.request, item.num_new_tokens
+            done, table = request.num_computed_tokens, request.block_table
+            start = len(input_ids)
+            input_ids.extend(request.all_token_ids[done : done + n])
+            positions.extend(range(done, done + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(done, done + n))
+            if n == 1 and done > 0:
+                decode_rows.append(start)
+                decode_tables.append(table)
+                decode_lens.append(done + 1)
+            elif done == 0:
+                prefills.append(PrefillSeq(start, n))
+            else:
+                prefills.append(self._prefill_with_context(start, n, done, table))
+            if item.samples:
+                logits_rows.append(start + n - 1)
+
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
+        if decode_rows:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+            meta.decode_block_tables = self._tensor(padded)
+            key_pos = torch.arange(max_blocks * bs, device=self.device)
+            meta.decode_mask = (key_pos < self._tensor(decode_lens).unsqueeze(1)).view(
+                len(decode_rows), 1, 1, -1
+            )
+            if len(decode_rows) != len(input_ids):
+                meta.decode_token_idx = self._tensor(decode_rows)
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
+
+    def _prefill_with_context(self, start: int, n: int, done: int, table: list[int]) -> PrefillSeq:
+        """A chunk whose earlier tokens are cached: read them through the block table, and let
+        query i (absolute position done + i) see keys 0 .. done + i."""
+        context = done + n
+        blocks = self._tensor(table[: -(-context // self.block_size)])
+        query_pos = torch.arange(done, context, device=self.device).unsqueeze(1)
+        key_pos = torch.arange(context, device=self.device).unsqueeze(0)
+        return PrefillSeq(start, n, block_table=blocks, mask=key_pos <= query_pos)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
