@@ -140,6 +140,8 @@ def test_oversubscribed_pool_finishes_everything_identically():
         ([10**9], SamplingParams(), "token ids"),
         ("word " * 9000, SamplingParams(), "context"),
         ("hi", SamplingParams(max_tokens=9000), "max_tokens"),
+        ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+        ("hi", SamplingParams(stop_token_ids=[49152]), "stop_token_ids"),
     ],
 )
 def test_bad_requests_raise_and_leave_the_engine_usable(llm, prompt, params, match):
@@ -165,3 +167,23 @@ def test_unknown_model_path_and_unsupported_architecture(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(UnsupportedModelError, match="BertForMaskedLM"):
         LLM(model=str(tmp_path))
+
+
+def test_n_choices_share_one_prompt_prefill(llm):
+    prompt = "Here is a long story about a dragon, a knight and a baker who met one rainy day. " * 4
+    before = llm.engine.stats().num_computed_prompt_tokens
+    [out] = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=16))
+    computed = llm.engine.stats().num_computed_prompt_tokens - before
+    num_prompt = len(out.prompt_token_ids)
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 4
+    # The prompt is computed once; each sibling recomputes at most its partial last block.
+    block = llm.engine.config.block_size
+    assert num_prompt <= computed <= num_prompt + 3 * block < 2 * num_prompt
+    assert_no_leak(llm)
+
+
+def test_any_integer_seed_is_accepted_and_reproducible(llm):
+    params = SamplingParams(n=2, seed=2**64 - 1, temperature=1.0, max_tokens=6)
+    first, again = llm.generate(["Seeds"], params), llm.generate(["Seeds"], params)
+    assert [o.token_ids for o in first[0].outputs] == [o.token_ids for o in again[0].outputs]

@@ -50,7 +50,7 @@ def test_logits_match_transformers(kind, tmp_path):
         request.block_table += pool.allocate(max(0, needed))
         item = ScheduledRequest(request, chunk)
         samples = item.samples
-        logits = runner.execute(SchedulerOutput([item], []))
+        logits = runner.execute(SchedulerOutput([item], [])).logits
         request.num_computed_tokens += chunk
         if not samples:
             assert logits.shape[0] == 0 and step == 0

@@ -27,7 +27,7 @@ from yaie.errors import InvalidRequestError
 from yaie.model.loader import load_model
 from yaie.model.runner import ModelRunner
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from yaie.sampling.sampler import Sampler, SamplingSeq
+from yaie.sampling.sampler import Sampler, SamplingSeq, prompt_logprobs
 from yaie.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,10 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     choices: list[_Choice] = field(default_factory=list)
+    # With n > 1, choices after the first wait here until the first has computed the prompt;
+    # they then share its KV blocks rather than computing the same prompt n times.
+    pending: list[_Choice] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -134,13 +138,14 @@ class Engine:
             self.block_pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             prefix_cache=self._make_prefix_cache(),
         )  # fmt: skip
-        self.sampler = Sampler()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[Request, tuple[_Group, _Choice]] = {}
         self._ids = itertools.count()
+        self._forking: list[_Group] = []  # groups with choices still waiting for the shared prompt
         self.num_computed_prompt_tokens = 0
 
     def _max_model_len(self, num_blocks: int) -> int:
@@ -177,10 +182,13 @@ class Engine:
         self._check_prompt(token_ids, params)
 
         group = _Group(request_id, text, token_ids, params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # position 0 has nothing before it to predict it (as vLLM)
         for index in range(params.n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(params.seed + index)
+                # Any integer is a valid seed: fold it into the 64 bits a generator takes.
+                generator = torch.Generator(self.device).manual_seed((params.seed + index) % 2**64)
             request = Request(f"{request_id}-{index}", token_ids, params)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             choice = _Choice(index, request, detok, generator)
@@ -188,8 +196,13 @@ class Engine:
                 choice.logprobs = []
             group.choices.append(choice)
             self._choice_of[request] = (group, choice)
-            self.scheduler.add(request)
+            if index == 0:
+                self.scheduler.add(request)
+            else:
+                group.pending.append(choice)
         self._groups[request_id] = group
+        if group.pending:
+            self._forking.append(group)
         return request_id
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -210,6 +223,11 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise InvalidRequestError(
+                    f"{name}: token ids must be below the vocabulary size {vocab}", name=name
+                )
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise InvalidRequestError(
@@ -227,6 +245,8 @@ class Engine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
+        if group in self._forking:
+            self._forking.remove(group)
         for choice in group.choices:
             if choice.finish_reason is None:
                 self.scheduler.finish(choice.request, RequestStatus.FINISHED_ABORTED)
@@ -260,14 +280,19 @@ class Engine:
             )
             for item in batch.scheduled
         )
-        logits = self.runner.execute(batch)
+        result = self.runner.execute(batch)
         self.scheduler.update(batch)
+        self._fork_pending_choices()
+        touched: dict[str, _Group] = {}
+        for request, first_target, logits in result.prompt_logits:
+            group, choice = self._choice_of[request]
+            if choice.index == 0:
+                self._record_prompt_logprobs(group, first_target, logits)
         if not sampling:
             return []
         seqs = [self._sampling_seq(item) for item in sampling]
-        sampled = self.sampler(logits, seqs)
+        sampled = self.sampler(result.logits, seqs)
 
-        touched: dict[str, _Group] = {}
         for row, item in enumerate(sampling):
             group, choice = self._choice_of[item.request]
             logprob = None
@@ -277,6 +302,22 @@ class Engine:
             self._append_token(group, choice, sampled.token_ids[row], logprob)
             touched[group.request_id] = group
         return [self._make_output(group) for group in touched.values()]
+
+    def _record_prompt_logprobs(self, group: _Group, first_target: int, logits: torch.Tensor) -> None:
+        known = group.prompt_logprobs
+        if known is None or first_target != len(known):
+            return  # recomputation after a preemption: these positions are already recorded
+        targets = torch.tensor(group.prompt_token_ids[first_target : first_target + len(logits)])
+        known.extend(prompt_logprobs(logits, targets.to(logits.device), group.params.prompt_logprobs or 0))
+
+    def _fork_pending_choices(self) -> None:
+        for group in list(self._forking):
+            source = group.choices[0].request
+            if source.num_computed_tokens >= source.num_prompt_tokens or source.status.finished:
+                for choice in group.pending:
+                    self.scheduler.add(choice.request, share_prefix_of=source)
+                group.pending.clear()
+                self._forking.remove(group)
 
     def _sampling_seq(self, item: ScheduledRequest) -> SamplingSeq:
         request = item.request
@@ -372,4 +413,5 @@ class Engine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=group.choices[0].request.num_cached_tokens,
+            prompt_logprobs=group.prompt_logprobs,
         )

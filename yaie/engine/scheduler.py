@@ -70,8 +70,19 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, share_prefix_of: Request | None = None) -> None:
+        """Queue a request. `share_prefix_of` names a running request with the same prompt (a
+        sibling of an n > 1 request): the new one takes references on its computed prompt blocks
+        instead of computing them again. The last prompt token is always recomputed, so the
+        request gets logits of its own to sample from."""
         request.status = RequestStatus.WAITING
+        source = share_prefix_of
+        if source is not None and source.block_table:
+            num_blocks = min(source.num_computed_tokens, request.num_tokens - 1) // self.block_size
+            shared = source.block_table[:num_blocks]
+            self.pool.incref(shared)
+            request.block_table = list(shared)
+            request.num_computed_tokens = num_blocks * self.block_size
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -157,7 +168,8 @@ class Scheduler:
         return True
 
     def _match_prefix(self, request: Request) -> None:
-        if self.prefix_cache is None:
+        # Prompt logprobs need the logits of every prompt position, so nothing may come from cache.
+        if self.prefix_cache is None or request.sampling_params.prompt_logprobs is not None:
             return
         # Leave at least the last token to compute: its logits are what we sample from.
         blocks = self.prefix_cache.match_prefix(request.all_token_ids[:-1])

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from yaie.engine.request import Request
 from yaie.engine.scheduler import SchedulerOutput
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.llama import CausalLM
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor  # [requests that sample this step, vocab], in batch order
+    # For requests that want prompt logprobs: (request, first target position, logits) where
+    # logits row i is the prediction of prompt token `first target position + i`.
+    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class _Inputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: list[int]  # the last row of each request that samples
+    prompt_rows: list[tuple[Request, int, int, int]]  # (request, first target, first row, rows)
 
 
 class ModelRunner:
@@ -30,16 +50,23 @@ class ModelRunner:
         return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Run one forward over every scheduled token; logits [sampling requests, vocab] come back
-        for the requests that reach their last token (in batch order)."""
-        input_ids, positions, meta, logits_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logits_rows])
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        """Run one forward over every scheduled token and project the rows someone needs."""
+        inputs = self._prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        # The LM head is the costliest matmul of a decode step: run it only on wanted rows.
+        rows = inputs.logits_rows + [
+            r for _, _, first, count in inputs.prompt_rows for r in range(first, first + count)
+        ]
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        sampled, rest = logits[: len(inputs.logits_rows)], logits[len(inputs.logits_rows) :]
+        prompt_logits = []
+        for request, first_target, _, count in inputs.prompt_rows:
+            prompt_logits.append((request, first_target, rest[:count]))
+            rest = rest[count:]
+        return RunnerOutput(sampled, prompt_logits)
 
-    def _prepare(
-        self, batch: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, batch: SchedulerOutput) -> _Inputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -49,6 +76,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         logits_rows: list[int] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []
         for item in batch.scheduled:
             request, n = item.request, item.num_new_tokens
             done, table = request.num_computed_tokens, request.block_table
@@ -66,6 +94,11 @@ class ModelRunner:
                 prefills.append(self._prefill_with_context(start, n, done, table))
             if item.samples:
                 logits_rows.append(start + n - 1)
+            # Row p predicts token p + 1; prompt logprobs want those predictions inside the prompt.
+            wants_prompt = request.sampling_params.prompt_logprobs is not None
+            last = min(done + n, request.num_prompt_tokens - 1)
+            if wants_prompt and done < last:
+                prompt_rows.append((request, done + 1, start, last - done))
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
         if decode_rows:
@@ -78,7 +111,7 @@ class ModelRunner:
             )
             if len(decode_rows) != len(input_ids):
                 meta.decode_token_idx = self._tensor(decode_rows)
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
+        return _Inputs(self._tensor(input_ids), self._tensor(positions), meta, logits_rows, prompt_rows)
 
     def _prefill_with_context(self, start: int, n: int, done: int, table: list[int]) -> PrefillSeq:
         """A chunk whose earlier tokens are cached: read them through the block table, and let

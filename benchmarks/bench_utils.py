@@ -1,0 +1,90 @@
+"""Helpers shared by the benchmark scripts: how busy the machine was, and the report header.
+
+The machines we measure on are shared: other processes (and the hypervisor, as steal time)
+take CPU from a benchmark at random, and a 2-thread PyTorch job slows down far more than
+proportionally when one of two cores is taken. `background_cores` says how many cores *other*
+work kept busy during a measurement; `run_undisturbed` repeats a measurement that was disturbed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+from rich.console import Console
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    wall_s: float
+    busy_s: float  # CPU time of the whole machine that was not idle, steal included
+    own_s: float  # CPU time of this process, all threads
+
+
+def cpu_sample() -> CpuSample:
+    with open("/proc/stat") as stat:
+        # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
+        ticks = [int(value) for value in stat.readline().split()[1:9]]
+    idle = ticks[3] + ticks[4]
+    times = os.times()
+    return CpuSample(
+        time.perf_counter(), (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"), times.user + times.system
+    )
+
+
+def background_cores(start: CpuSample, end: CpuSample) -> float:
+    """Cores that other processes (or the hypervisor) kept busy between two samples."""
+    others = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
+    return max(0.0, others) / max(end.wall_s - start.wall_s, 1e-9)
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class Undisturbed(Generic[T]):
+    result: T
+    background_cores: float  # during the kept attempt
+    discarded: list[float]  # background cores of the attempts thrown away
+
+
+def run_undisturbed(
+    measure: Callable[[], T],
+    max_background: float,
+    retries: int,
+    on_retry: Callable[[float], None] | None = None,
+) -> Undisturbed[T]:
+    """Call `measure`; while other processes kept more than `max_background` cores busy meanwhile,
+    call it again, at most `retries` more times. The last attempt is kept whatever its load."""
+    discarded: list[float] = []
+    while True:
+        before = cpu_sample()
+        result = measure()
+        busy = background_cores(before, cpu_sample())
+        if busy <= max_background or len(discarded) >= retries:
+            return Undisturbed(result, busy, discarded)
+        discarded.append(busy)
+        if on_retry is not None:
+            on_retry(busy)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def make_console() -> Console:
+    """A rich console; when output goes to a file or pipe, wide enough for the result tables."""
+    return Console(width=None if sys.stdout.isatty() else 120)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build llama.cpp's native `llama-server` and `llama-bench` for benchmarking yaie against it.
+#
+# The PyPI sdist of llama-cpp-python==0.3.36 vendors a complete llama.cpp tree
+# (vendor/llama.cpp), so the build needs only PyPI: download the sdist, unpack it, build with CMake.
+# Nothing lands in the repository; everything goes under PEERS_DIR (default /tmp/peers).
+#
+# Usage:   benchmarks/peers/install_llamacpp.sh
+# Env:     PEERS_DIR   where to put the download and the build   (default /tmp/peers)
+#          JOBS        parallel compile jobs                      (default 2)
+# Result:  $PEERS_DIR/llama.cpp/build/bin/llama-server and .../llama-bench
+#          ($PEERS_DIR/llama.cpp is a symlink to the vendored tree.)
+# Idempotent: re-running skips the download/unpack when present and lets CMake rebuild incrementally.
+# The build takes ~15 min on 2 cores; on a shared machine run it as
+#   nice -n 19 benchmarks/peers/install_llamacpp.sh > /tmp/peers/llamacpp-build.log 2>&1 &
+set -euo pipefail
+
+VERSION=0.3.36
+PEERS_DIR=${PEERS_DIR:-/tmp/peers}
+JOBS=${JOBS:-2}
+DL_DIR="$PEERS_DIR/llamacpp-dl"
+SRC_DIR="$DL_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
+LINK="$PEERS_DIR/llama.cpp"
+
+mkdir -p "$DL_DIR"
+start=$(date +%s)
+
+sdist="$DL_DIR/llama_cpp_python-$VERSION.tar.gz"
+if [[ ! -f "$sdist" ]]; then
+    echo "[install_llamacpp] downloading llama-cpp-python==$VERSION sdist"
+    python -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DL_DIR"
+fi
+if [[ ! -f "$SRC_DIR/CMakeLists.txt" ]]; then
+    echo "[install_llamacpp] unpacking $sdist"
+    tar -xzf "$sdist" -C "$DL_DIR"
+fi
+ln -sfn "$SRC_DIR" "$LINK"
+
+cd "$SRC_DIR"
+echo "[install_llamacpp] configuring in $SRC_DIR/build"
+cmake -B build \
+    -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DCMAKE_BUILD_TYPE=Release
+echo "[install_llamacpp] building llama-server and llama-bench with -j$JOBS"
+cmake --build build -j"$JOBS" --target llama-server llama-bench
+
+"$SRC_DIR/build/bin/llama-server" --version || true
+echo "[install_llamacpp] done in $(($(date +%s) - start)) s: $LINK/build/bin/llama-server"

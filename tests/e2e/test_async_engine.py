@@ -1,0 +1,187 @@
+"""AsyncEngine over the real model, in this process: streaming, aborting, and failing safely;
+and the HTTP app over it when the engine fails."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from yaie import LLM, InvalidRequestError, SamplingParams
+from yaie.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError, RequestFailedError
+from yaie.outputs import RequestOutput
+from yaie.server.app import build_app
+
+pytestmark = pytest.mark.slow
+
+LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def running(llm: LLM) -> Iterator[AsyncEngine]:
+    """An AsyncEngine that owns `llm`'s engine until the block ends."""
+    async_engine = AsyncEngine(llm.engine)
+    try:
+        yield async_engine
+    finally:
+        async_engine.shutdown()
+    assert not llm.engine.has_unfinished_requests()
+
+
+async def wait_idle(async_engine: AsyncEngine, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while async_engine.stats().num_running or async_engine.stats().num_waiting:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def test_generate_streams_what_llm_returns(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=16)
+    [expected] = llm.generate("The sky is blue because", params)
+
+    async def collect(async_engine: AsyncEngine) -> list[str]:
+        return [
+            o.outputs[0].delta_text
+            async for o in async_engine.generate("r", "The sky is blue because", params)
+        ]
+
+    with running(llm) as async_engine:
+        deltas = asyncio.run(collect(async_engine))
+    assert len(deltas) > 1
+    assert "".join(deltas) == expected.outputs[0].text
+
+
+def test_refused_request_raises_before_streaming(llm: LLM) -> None:
+    async def main(async_engine: AsyncEngine) -> None:
+        with pytest.raises(InvalidRequestError) as refused:
+            await async_engine.add_request("empty", "", SamplingParams())
+        assert refused.value.param == "prompt"
+        with pytest.raises(InvalidRequestError):
+            await anext(async_engine.generate("long", "Hi", SamplingParams(max_tokens=10**7)))
+        with pytest.raises(EngineOverloadedError):
+            await async_engine.add_request("queued", "Hi", SamplingParams(), max_waiting=0)
+
+    with running(llm) as async_engine:
+        asyncio.run(main(async_engine))
+
+
+def test_stopping_early_aborts_the_request(llm: LLM) -> None:
+    async def main(async_engine: AsyncEngine) -> None:
+        outputs = async_engine.generate("long", "Once upon a time", LONG)
+        for _ in range(3):
+            await anext(outputs)
+        await outputs.aclose()  # what a disconnecting client amounts to
+        assert await wait_idle(async_engine)
+        # The same id is free again: the request is gone from the engine, not just from us.
+        await async_engine.add_request("long", "Once upon a time", SamplingParams(max_tokens=2))
+
+    with running(llm) as async_engine:
+        asyncio.run(main(async_engine))
+
+
+def test_idle_engine_does_not_spin(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = 0
+    step = llm.engine.step
+
+    def counting_step() -> list[RequestOutput]:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", counting_step)
+    with running(llm) as async_engine:
+        asyncio.run(anext(async_engine.generate("r", "Hi", SamplingParams(max_tokens=1))))
+        time.sleep(0.1)
+        steps_before, cpu_before = steps, time.process_time()
+        time.sleep(0.5)
+        assert steps == steps_before
+        assert time.process_time() - cpu_before < 0.1
+
+
+def test_failing_step_fails_in_flight_requests_and_engine_goes_on(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+    step = llm.engine.step
+
+    def step_failing_once() -> list[RequestOutput]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected failure")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", step_failing_once)
+
+    async def run(async_engine: AsyncEngine, request_id: str, params: SamplingParams) -> str:
+        return "".join(
+            [o.outputs[0].delta_text async for o in async_engine.generate(request_id, "Hello", params)]
+        )
+
+    async def main(async_engine: AsyncEngine) -> None:
+        first = await asyncio.gather(
+            run(async_engine, "a", LONG), run(async_engine, "b", LONG), return_exceptions=True
+        )
+        assert [type(result) for result in first] == [RequestFailedError, RequestFailedError]
+        assert await run(async_engine, "c", SamplingParams(temperature=0, max_tokens=4))
+
+    with running(llm) as async_engine:
+        asyncio.run(main(async_engine))
+
+
+def test_shutdown_ends_streams(llm: LLM) -> None:
+    async def main(async_engine: AsyncEngine) -> None:
+        stream = await async_engine.add_request("long", "Once upon a time", LONG)
+        await anext(stream)
+        async_engine.shutdown()
+        with pytest.raises(EngineClosedError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineClosedError):
+            await async_engine.add_request("late", "Hi", SamplingParams())
+
+    with running(llm) as async_engine:
+        asyncio.run(main(async_engine))
+
+
+def test_engine_failure_fails_only_the_requests_in_flight_over_http(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = True
+    step = llm.engine.step
+
+    def step_failing_on_demand() -> list[RequestOutput]:
+        if failing:
+            raise RuntimeError("injected failure")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", step_failing_on_demand)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+    async def main(async_engine: AsyncEngine) -> None:
+        nonlocal failing
+        transport = httpx.ASGITransport(app=build_app(async_engine, "m"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            response = await http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 500
+            error = response.json()["error"]
+            assert error.keys() == {"message", "type", "param", "code"}
+            assert (error["type"], error["code"]) == ("server_error", "engine_error")
+
+            streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+            assert streamed.status_code == 200  # sent before the failure
+            *_, error_event, done = [line for line in streamed.text.splitlines() if line]
+            assert '"code":"engine_error"' in error_event and done == "data: [DONE]"
+
+            failing = False
+            response = await http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+
+    with running(llm) as async_engine:
+        asyncio.run(main(async_engine))

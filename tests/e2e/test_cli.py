@@ -1,0 +1,105 @@
+"""The `yaie` command line: `generate` in a subprocess, `chat` driven through a terminal."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import openai
+import pexpect
+import pytest
+from e2e_helpers import MODEL, Server, clean_env, yaie_command
+
+from yaie import LLM, SamplingParams
+from yaie.cli import build_parser, parse_bytes
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+QUESTION = "What is the capital of France?"
+
+
+def spawn_chat(*args: str) -> pexpect.spawn:
+    command = yaie_command("chat", *args)
+    return pexpect.spawn(command[0], command[1:], env=clean_env(), encoding="utf-8", timeout=120)
+
+
+def answer_to(child: pexpect.spawn, question: str) -> str:
+    """Ask at the `you>` prompt; return the streamed answer once the next prompt shows."""
+    child.sendline(question)
+    child.expect("assistant>")
+    child.expect("you>")
+    return ANSI_ESCAPE.sub("", child.before).replace("\r\n", "\n").strip()
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1000", 1000), ("2GiB", 2 << 30), ("512MiB", 512 << 20), ("2g", 2 << 30), ("1.5GB", 1_500_000_000)],
+)
+def test_sizes_in_bytes(text: str, size: int) -> None:
+    assert parse_bytes(text) == size
+
+
+def test_serve_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YAIE_PORT", "1234")
+    monkeypatch.setenv("YAIE_API_KEY", "from-env")
+    monkeypatch.setenv("YAIE_NO_PREFIX_CACHING", "1")
+    monkeypatch.setenv("YAIE_KV_CACHE_MEMORY", "1GiB")
+    monkeypatch.setenv("YAIE_MODEL", "/models/m.gguf")
+    args = build_parser().parse_args(["serve", "--port", "4321"])  # the command line wins
+    assert (args.port, args.api_key, args.no_prefix_caching) == (4321, "from-env", True)
+    assert (args.kv_cache_memory, args.model, args.host) == (1 << 30, "/models/m.gguf", "127.0.0.1")
+
+
+@pytest.mark.slow
+def test_generate_streams_a_completion(llm: LLM) -> None:
+    prompt = "The capital of France is"
+    result = subprocess.run(
+        yaie_command("generate", prompt, "--max-tokens", "12", "--temperature", "0", "--num-kv-blocks", "64"),
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=180,
+        check=True,
+    )
+    [expected] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))
+    assert result.stdout == expected.outputs[0].text + "\n"
+
+
+@pytest.mark.slow
+def test_chat_with_a_server(server: Server, client: openai.OpenAI) -> None:
+    max_tokens = 200
+    expected = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=max_tokens
+    )
+    child = spawn_chat(
+        MODEL, "--url", f"{server.base_url}/v1", "--temperature=0", f"--max-tokens={max_tokens}"
+    )
+    child.expect("you>")
+    assert answer_to(child, QUESTION) == (expected.choices[0].message.content or "").strip()
+    child.sendline("/reset")
+    child.expect("conversation cleared")
+    child.expect("you>")
+    # Ctrl-C while an answer streams stops that answer only.
+    child.sendline("Tell me a very long story about a dragon and a knight.")
+    child.expect("assistant>")
+    child.sendintr()
+    child.expect(r"\(stopped\)")
+    child.expect("you>")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+@pytest.mark.slow
+def test_chat_in_process(llm: LLM) -> None:
+    system = "You are a helpful assistant."
+    child = spawn_chat("--system", system, "--temperature=0", "--max-tokens=24", "--num-kv-blocks=64")
+    child.expect("you>")
+    answer = answer_to(child, QUESTION)
+    conversation = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+    [expected] = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=24))
+    assert answer == expected.outputs[0].text.strip()
+    child.sendintr()  # at the prompt, Ctrl-C quits
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

@@ -1,0 +1,365 @@
+"""Request validation and mapping onto SamplingParams, and response formatting: no model needed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from yaie.errors import InvalidRequestError
+from yaie.outputs import TokenLogprob
+from yaie.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    describe_validation_error,
+)
+
+VOCAB = 1000
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": HELLO, **fields})
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "Hello", **fields})
+
+
+def validation_error(
+    model: type[ChatCompletionRequest | CompletionRequest], body: Any
+) -> InvalidRequestError:
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(body)
+    return describe_validation_error(raised.value.errors())
+
+
+def refusal(request: ChatCompletionRequest | CompletionRequest) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as raised:
+        request.to_sampling_params(VOCAB)
+    return raised.value
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+
+def test_unknown_fields_are_ignored() -> None:
+    request = chat(frobnicate=True, metadata={"a": 1}, parallel_tool_calls=False)
+    assert not hasattr(request, "frobnicate")
+
+
+def test_numbers_are_not_coerced_from_strings_or_bools() -> None:
+    assert validation_error(
+        ChatCompletionRequest, {"model": "m", "messages": HELLO, "max_tokens": "5"}
+    ).param == ("max_tokens")
+    assert validation_error(ChatCompletionRequest, {"model": "m", "messages": HELLO, "n": True}).param == "n"
+    assert validation_error(ChatCompletionRequest, {"model": "m", "messages": HELLO, "n": 2.0}).param == "n"
+    assert chat(temperature=1).temperature == 1.0  # an integer is a fine number
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": HELLO}, "model"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "Hello"}, "messages"),
+        ({"model": "m", "messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [HELLO[0], {"role": "user"}]}, "messages[1].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"model": "m", "messages": HELLO, "stop": [1]}, "stop[0]"),
+        ({"model": "m", "messages": HELLO, "logit_bias": {"5": "high"}}, "logit_bias"),
+        (
+            {"model": "m", "messages": HELLO, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+    ],
+)
+def test_validation_errors_name_the_field(body: dict[str, Any], param: str) -> None:
+    error = validation_error(ChatCompletionRequest, body)
+    assert error.param == param
+    assert error.message.startswith(f"{param}: ")
+
+
+def test_missing_field_message() -> None:
+    assert validation_error(CompletionRequest, {"model": "m"}).message == "prompt: missing required parameter"
+
+
+def test_union_errors_name_the_deepest_branch() -> None:
+    assert validation_error(CompletionRequest, {"model": "m", "prompt": ["a", 1]}).param == "prompt[1]"
+    assert validation_error(CompletionRequest, {"model": "m", "prompt": 5}).param == "prompt"
+
+
+def test_fastapi_errors() -> None:
+    """FastAPI reports body errors with a leading "body", and JSON errors by position."""
+    error = describe_validation_error(
+        [{"type": "int_type", "loc": ("body", "n"), "msg": "bad", "input": "x"}]
+    )
+    assert (error.param, error.message) == ("n", "n: bad")
+    json_error = describe_validation_error(
+        [
+            {
+                "type": "json_invalid",
+                "loc": ("body", 12),
+                "msg": "JSON decode error",
+                "input": {},
+                "ctx": {"error": "oops"},
+            }
+        ]
+    )
+    assert json_error.param is None and "oops" in json_error.message
+    not_object = describe_validation_error(
+        [{"type": "model_attributes_type", "loc": ("body",), "msg": "x", "input": 1}]
+    )
+    assert not_object.param is None and "JSON object" in not_object.message
+
+
+def test_chat_messages_for_the_template() -> None:
+    request = chat(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]
+    )
+    assert request.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        ("Hi", ["Hi"]),
+        (["Hi", "Yo"], ["Hi", "Yo"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, prompts: list[Any]) -> None:
+    assert completion(prompt=prompt).prompts() == prompts
+
+
+@pytest.mark.parametrize("prompt", ["", []])
+def test_empty_prompt_is_refused(prompt: Any) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        completion(prompt=prompt).prompts()
+    assert raised.value.param == "prompt"
+
+
+# -- mapping ----------------------------------------------------------------------------------
+
+
+def test_defaults_follow_openai() -> None:
+    params = chat().to_sampling_params(VOCAB)
+    assert params.temperature == 1.0 and params.top_p == 1.0 and params.n == 1
+    assert params.max_tokens is None  # the rest of the context
+    assert params.logprobs is None
+
+
+def test_explicit_nulls_mean_defaults() -> None:
+    params = chat(temperature=None, top_p=None, stop=None, seed=None, logit_bias=None).to_sampling_params(
+        VOCAB
+    )
+    assert params.temperature == 1.0 and params.stop == [] and params.seed is None
+
+
+def test_every_sampling_field_is_mapped() -> None:
+    params = chat(
+        n=2,
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        seed=3,
+        stop="END",
+        stop_token_ids=[7],
+        min_tokens=2,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        logit_bias={"12": -100, "13": 5.5},
+        logprobs=True,
+        top_logprobs=4,
+        user="someone",
+    ).to_sampling_params(VOCAB)
+    assert (params.n, params.max_tokens, params.temperature, params.top_p, params.top_k) == (
+        2,
+        7,
+        0.5,
+        0.9,
+        40,
+    )
+    assert (params.min_p, params.presence_penalty, params.frequency_penalty) == (0.05, 0.5, -0.5)
+    assert (params.repetition_penalty, params.seed, params.stop, params.stop_token_ids) == (
+        1.1,
+        3,
+        ["END"],
+        [7],
+    )
+    assert (params.min_tokens, params.ignore_eos, params.skip_special_tokens) == (2, True, False)
+    assert params.include_stop_str_in_output
+    assert params.logit_bias == {12: -100.0, 13: 5.5}
+    assert params.logprobs == 4
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling_params(VOCAB).max_tokens == 9
+
+
+def test_chat_logprobs_without_top_logprobs() -> None:
+    assert chat(logprobs=True).to_sampling_params(VOCAB).logprobs == 0
+    assert chat(logprobs=False).to_sampling_params(VOCAB).logprobs is None
+
+
+def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
+    assert completion(echo=True, logprobs=2).to_sampling_params(VOCAB).prompt_logprobs == 2
+    assert completion(echo=True).to_sampling_params(VOCAB).prompt_logprobs is None
+    assert completion(logprobs=2).to_sampling_params(VOCAB).prompt_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (chat(temperature=-1), "temperature"),
+        (chat(top_p=0), "top_p"),
+        (chat(top_k=-5), "top_k"),
+        (chat(stop=[f"s{i}" for i in range(17)]), "stop"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs"),  # SamplingParams calls it logprobs
+        (chat(top_logprobs=2), "top_logprobs"),
+        (chat(logit_bias={"x": 1}), "logit_bias"),
+        (chat(logit_bias={"-1": 1}), "logit_bias"),
+        (chat(logit_bias={str(VOCAB): 1}), "logit_bias"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(tool_choice="auto"), "tool_choice"),
+        (chat(response_format={"type": "json_object"}), "response_format"),
+        (completion(suffix="x"), "suffix"),
+        (completion(best_of=2), "best_of"),
+        (completion(logprobs=21), "logprobs"),
+    ],
+)
+def test_refusals_name_the_request_field(
+    request_: ChatCompletionRequest | CompletionRequest, param: str
+) -> None:
+    error = refusal(request_)
+    assert error.param == param
+    assert error.message.startswith(f"{param}: ")
+
+
+def test_accepted_no_ops() -> None:
+    chat(tools=[], tool_choice="none", response_format={"type": "text"}).to_sampling_params(VOCAB)
+    completion(best_of=3, n=3).to_sampling_params(VOCAB)
+
+
+def test_engine_errors_are_renamed_to_the_request_field() -> None:
+    engine_error = InvalidRequestError("max_tokens=99 plus the prompt's 5 tokens exceeds ...", "max_tokens")
+    renamed = chat(max_completion_tokens=99).translate_error(engine_error)
+    assert renamed.param == "max_completion_tokens"
+    assert renamed.message.startswith("max_completion_tokens=99")
+    assert chat(max_tokens=99).translate_error(engine_error) is engine_error
+    prompt_error = InvalidRequestError("the prompt is empty", "prompt")
+    assert chat().translate_error(prompt_error) is prompt_error
+
+
+SAMPLING_FIELDS = {
+    "n": st.integers(-2, 200),
+    "temperature": st.floats(-3, 3),
+    "top_p": st.floats(-1, 2),
+    "top_k": st.integers(-3, 100),
+    "min_p": st.floats(-1, 2),
+    "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3),
+    "max_tokens": st.integers(-2, 100),
+    "min_tokens": st.integers(-2, 100),
+    "seed": st.integers(-2, 2**64),
+    "top_logprobs": st.integers(-2, 25),
+    "logprobs": st.booleans(),
+    "stop": st.lists(st.text(max_size=3), max_size=20),
+    "logit_bias": st.dictionaries(
+        st.sampled_from(["0", "5", "-1", "x", "999", "1000"]), st.floats(-200, 200)
+    ),
+}
+
+
+@given(st.fixed_dictionaries({}, optional=SAMPLING_FIELDS))
+def test_any_sampling_fields_are_accepted_or_refused_by_name(fields: dict[str, Any]) -> None:
+    """Whatever the values, the answer is SamplingParams or a 400 naming a field that was sent."""
+    try:
+        request = chat(**fields)
+        request.to_sampling_params(VOCAB)
+    except ValidationError as exc:
+        param = describe_validation_error(exc.errors()).param
+        assert param is not None and param.split("[")[0] in fields
+    except InvalidRequestError as exc:
+        assert exc.param in fields
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def decode(token_id: int) -> str:
+    return {1: "Hel", 2: "lo", 3: " wé", 4: "!"}.get(token_id, f"<{token_id}>")
+
+
+def test_chat_logprobs_format() -> None:
+    logprobs = chat_logprobs([TokenLogprob(3, -0.5, [(3, -0.5), (4, -1.5)])], decode)
+    assert logprobs.model_dump() == {
+        "content": [
+            {
+                "token": " wé",
+                "logprob": -0.5,
+                "bytes": [32, 119, 195, 169],
+                "top_logprobs": [
+                    {"token": " wé", "logprob": -0.5, "bytes": [32, 119, 195, 169]},
+                    {"token": "!", "logprob": -1.5, "bytes": [33]},
+                ],
+            }
+        ]
+    }
+
+
+def test_completion_logprobs_format() -> None:
+    tokens = [
+        (1, None),
+        (2, TokenLogprob(2, -0.25, [(2, -0.25)])),
+        (4, TokenLogprob(4, -2.0, [(1, -1.0), (4, -2.0)])),
+    ]
+    logprobs = completion_logprobs(tokens, decode, text_offset=10)
+    assert logprobs.model_dump() == {
+        "tokens": ["Hel", "lo", "!"],
+        "token_logprobs": [None, -0.25, -2.0],
+        "top_logprobs": [None, {"lo": -0.25}, {"Hel": -1.0, "!": -2.0}],
+        "text_offset": [10, 13, 15],
+    }
+
+
+def test_impossible_tokens_get_a_finite_logprob() -> None:
+    """JSON cannot say -inf; like vLLM, we say -9999."""
+    chat = chat_logprobs([TokenLogprob(4, float("-inf"), [(4, float("-inf"))])], decode)
+    assert chat.content[0].logprob == chat.content[0].top_logprobs[0].logprob == -9999.0
+    legacy = completion_logprobs([(4, TokenLogprob(4, float("-inf"), [(4, float("nan"))]))], decode, 0)
+    assert legacy.token_logprobs == [-9999.0] and legacy.top_logprobs == [{"!": -9999.0}]
+
+
+def test_usage_totals() -> None:
+    usage = Usage.of(prompt_tokens=7, completion_tokens=5, cached_tokens=4)
+    assert usage.model_dump() == {
+        "prompt_tokens": 7,
+        "completion_tokens": 5,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }

@@ -1,0 +1,279 @@
+"""`AsyncEngine`: the synchronous Engine behind an asyncio API, for the server.
+
+The Engine is not thread-safe, so one background thread owns it. That thread loops: run the
+commands queued by the event loop (add, abort, tokenize, ...), `step()` if anything is
+unfinished, and hand each output to its request's `asyncio.Queue` on the event loop. With
+nothing to do it sleeps on a condition variable, so an idle server costs no CPU.
+
+Requests are streams: `add_request` returns a `RequestStream` once the engine has accepted the
+request (so a refused request raises before anything is streamed), and closing that stream
+before it finishes aborts the request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from yaie.engine.engine import Engine, EngineStats
+from yaie.errors import YaieError
+from yaie.outputs import RequestOutput
+from yaie.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Prompt = str | list[int]
+
+
+class EngineOverloadedError(YaieError):
+    """More requests are already waiting than the server accepts; retry later (HTTP 429)."""
+
+
+class EngineClosedError(YaieError):
+    """The engine is shutting down and takes no more requests (HTTP 503)."""
+
+
+class RequestFailedError(YaieError):
+    """The engine failed while running this request; other requests go on (HTTP 500)."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, ending with the finished one.
+
+    Lives on the event loop: iterate it from there, and `close()` it from there.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        # None is the wake-up sent by close(); an exception ends the stream with that error.
+        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self._done = False  # nothing more will be returned
+        self.aborted = False  # closed before the request finished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        """Stop early: abort the request in the engine, and end any iteration waiting on it."""
+        if self._done:
+            return
+        self._done = self.aborted = True
+        self._engine._abort(self.request_id)
+        self._queue.put_nowait(None)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if not self._done:  # after close(), late outputs have no reader
+            self._queue.put_nowait(item)
+
+
+class AsyncEngine:
+    """Runs an Engine on a background thread it owns until `shutdown()`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer  # decoding from other threads only reads it
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self._wakeup = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()  # guarded by _wakeup
+        self._stopping = False  # guarded by _wakeup
+        self._closed = False  # event-loop side: refuse new requests
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
+        self._stats = engine.stats()  # replaced (never mutated) by the engine thread
+        self._thread = threading.Thread(target=self._run, name="yaie-engine", daemon=True)
+        self._thread.start()
+
+    # -- the event loop's side ----------------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, max_waiting: int | None = None
+    ) -> RequestStream:
+        """Queue a request; raises InvalidRequestError, EngineClosedError, or EngineOverloadedError
+        when `max_waiting` sequences (if given) already wait to be admitted."""
+        return await self._add(request_id, lambda engine: prompt, params, max_waiting)
+
+    async def add_chat_request(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        max_waiting: int | None = None,
+    ) -> RequestStream:
+        """Like add_request, with the prompt built from `messages` by the model's chat template."""
+        return await self._add(request_id, lambda engine: engine.encode_chat(messages), params, max_waiting)
+
+    async def generate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as it progresses; stopping the iteration early aborts it."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, exactly as a prompt string would be tokenized."""
+        return await self._call(lambda engine: list(engine.tokenizer(text).input_ids))
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return await self._call(lambda engine: engine.encode_chat(messages))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step (read without waiting for the engine)."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, end every stream with EngineClosedError, and stop the thread."""
+        self._closed = True
+        with self._wakeup:
+            self._commands.append(lambda: self._fail_all(EngineClosedError("the server is shutting down")))
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    async def _add(
+        self,
+        request_id: str,
+        build_prompt: Callable[[Engine], Prompt],
+        params: SamplingParams,
+        max_waiting: int | None,
+    ) -> RequestStream:
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self)
+
+        def add(engine: Engine) -> None:
+            # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
+            if max_waiting is not None and engine.stats().num_waiting >= max_waiting:
+                raise EngineOverloadedError(f"{max_waiting} requests are already waiting; retry later")
+            engine.add_request(request_id, build_prompt(engine), params)
+            self._streams[request_id] = (loop, stream)
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            stream.close()  # the add may have happened just before the caller went away
+            raise
+        return stream
+
+    async def _call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread, between two steps, and return its result."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # the caller stopped waiting
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._submit(command)
+        return await asyncio.wrap_future(future)
+
+    def _abort(self, request_id: str) -> None:
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._submit(abort)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:
+            # A bug outside step(): do not leave callers waiting forever on a dead thread.
+            logger.exception("the engine thread died")
+            self._closed = True
+            self._fail_all(RequestFailedError("the engine thread died"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._wakeup.wait()
+                commands, stopping = list(self._commands), self._stopping
+                self._commands.clear()
+            for command in commands:
+                try:
+                    command()  # those with a caller waiting hand their errors to it
+                except Exception:
+                    logger.exception("engine command failed")
+            if stopping:
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._stats = self.engine.stats()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # We cannot tell which request broke the step, and the engine may be left halfway
+            # through it: fail everything in flight, and serve the next requests afresh.
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
+            self._fail_all(RequestFailedError(f"the engine failed: {exc!r}"))
+            return
+        for output in outputs:
+            entry = self._streams.get(output.request_id)
+            if entry is None:
+                continue  # aborted while this step ran
+            if output.finished:
+                del self._streams[output.request_id]
+            self._deliver(output.request_id, entry, output)
+
+    def _deliver(
+        self,
+        request_id: str,
+        entry: tuple[asyncio.AbstractEventLoop, RequestStream],
+        item: RequestOutput | BaseException,
+    ) -> None:
+        loop, stream = entry
+        try:
+            loop.call_soon_threadsafe(stream._put, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            logger.warning("dropping request %s: its event loop is closed", request_id)
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, entry in streams.items():
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # keep failing the others; this one gets its error regardless
+                logger.exception("could not abort request %s", request_id)
+            self._deliver(request_id, entry, error)

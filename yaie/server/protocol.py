@@ -1,0 +1,452 @@
+"""The OpenAI API's request and response shapes, and their mapping onto SamplingParams.
+
+Requests ignore fields they do not know (clients send many we have no use for), but are strict
+about the ones they do: a string where a number belongs is an error, as with OpenAI, not
+something to coerce. Range checks live in SamplingParams, except for limits only the API has
+(n, seed); `to_sampling_params` translates its errors back to the request's own field names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import ErrorDetails
+
+from yaie.errors import InvalidRequestError
+from yaie.outputs import TokenLogprob
+from yaie.sampling_params import SamplingParams
+
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds, and the engine adds the choice index
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    # "developer" is OpenAI's newer name for "system". Tool messages need tool support.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def to_template(self) -> dict[str, str]:
+        """The message as chat templates expect it: a role they know and plain-text content."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class SamplingRequest(OpenAIModel):
+    """What chat and text completions share. None means "the default", as if left out."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = None  # None: until the context is full
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _renames(self) -> dict[str, str]:
+        """Fields that SamplingParams and the engine name differently from this request."""
+        return {}
+
+    def translate_error(self, exc: InvalidRequestError) -> InvalidRequestError:
+        """`exc` (from SamplingParams or the engine) naming this request's field instead."""
+        ours = self._renames().get(exc.param or "")
+        if exc.param is None or ours is None or ours == exc.param:
+            return exc
+        return InvalidRequestError(exc.message.replace(exc.param, ours, 1), ours)
+
+    def _sampling_params(
+        self,
+        vocab_size: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+        }
+        try:
+            return SamplingParams(
+                n=self.n,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=_token_bias(self.logit_bias or {}, vocab_size),
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                **{name: value for name, value in given.items() if value is not None},
+            )
+        except InvalidRequestError as exc:
+            raise self.translate_error(exc) from exc
+
+
+def _token_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI sends logit_bias keyed by token ids written as strings."""
+    bias = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
+            )
+        bias[token_id] = value
+    return bias
+
+
+def _unsupported(param: str, detail: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {detail}", param)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins over it
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+        if self.tools:
+            raise _unsupported("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise _unsupported("tool_choice", "tool calling is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise _unsupported(
+                "response_format", f"only 'text' is supported, got {self.response_format.type!r}"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+        return self._sampling_params(
+            vocab_size,
+            max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        )
+
+    def _renames(self) -> dict[str, str]:
+        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"max_tokens": max_tokens, "logprobs": "top_logprobs"}
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [message.to_template() for message in self.messages]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+        if self.suffix is not None:
+            raise _unsupported("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _unsupported("best_of", "only best_of equal to n is supported")
+        # Echoing the prompt with logprobs needs the prompt's logprobs too.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs, prompt_logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: OpenAI accepts one prompt or a batch, as text or token ids."""
+        prompt = self.prompt
+        if not prompt:
+            raise InvalidRequestError("prompt: must not be empty", "prompt")
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, and {} with finish_reason
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole text completion, or (streaming) one chunk of it: OpenAI uses one shape for both."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "yaie"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+Decode = Callable[[int], str]  # one token id to its text
+MIN_LOGPROB = -9999.0  # JSON has no -inf, which tokens masked out by top_k/top_p get
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB  # NaN, too, becomes the minimum
+
+
+def _top(token_id: int, logprob: float, decode: Decode) -> TopLogprob:
+    token = decode(token_id)
+    return TopLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode()))
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], decode: Decode) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                **_top(lp.token_id, lp.logprob, decode).model_dump(),
+                top_logprobs=[_top(token_id, logprob, decode) for token_id, logprob in lp.top],
+            )
+            for lp in logprobs
+        ]
+    )
+
+
+def completion_logprobs(
+    tokens: Sequence[tuple[int, TokenLogprob | None]], decode: Decode, text_offset: int
+) -> CompletionLogprobs:
+    """Legacy completions' columns. `tokens` pairs each token id with its logprob (None for a
+    prompt's first token, which nothing predicts); offsets count from `text_offset`."""
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for token_id, lp in tokens:
+        token = decode(token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(None if lp is None else _finite(lp.logprob))
+        result.top_logprobs.append(
+            None if lp is None else {decode(t): _finite(logprob) for t, logprob in lp.top}
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+# -- validation errors ------------------------------------------------------------------------
+
+_REQUESTS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    ChatMessage,
+    TextPart,
+    StreamOptions,
+    ResponseFormat,
+)
+_FIELD_NAMES = frozenset(name for model in _REQUESTS for name in model.model_fields)
+
+
+def _param_path(loc: Sequence[int | str]) -> str | None:
+    """`messages[0].content` from pydantic's ("messages", 0, "content"). Other strings in a
+    location name union branches ("list[int]") or dict keys, which are not part of the path."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _FIELD_NAMES:
+            path += f".{part}" if path else part
+    return path or None
+
+
+def describe_validation_error(errors: Sequence[ErrorDetails]) -> InvalidRequestError:
+    """One InvalidRequestError for pydantic's (or FastAPI's) errors about a request body."""
+    # Of a union's failed branches, the one that got furthest is the most telling.
+    error = max(errors, key=lambda e: len(e["loc"]))
+    loc = error["loc"][1:] if error["loc"][:1] == ("body",) else error["loc"]  # FastAPI's prefix
+    if error["type"] == "json_invalid":
+        detail = error.get("ctx", {}).get("error", error["msg"])
+        return InvalidRequestError(f"the body is not valid JSON: {detail}")
+    param = _param_path(loc)
+    if param is None:
+        return InvalidRequestError("the body must be a JSON object")
+    if error["type"] == "missing":
+        return InvalidRequestError(f"{param}: missing required parameter", param)
+    return InvalidRequestError(f"{param}: {error['msg']}", param)
