@@ -1,4 +1,4 @@
-"""The `yaie` command: `generate` once, `serve` the OpenAI API, or `chat` in the terminal."""
+"""The `yaie` command: `generate` once, `serve` the OpenAI API, `chat` in a terminal, `bench` a server."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import httpx
 import uvicorn
 from rich.console import Console
 from rich.markup import escape
@@ -152,11 +155,27 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7)
     _add_engine_args(chat.add_argument)
     chat.set_defaults(run=run_chat)
+    bench = commands.add_parser(
+        "bench",
+        help="start a yaie server with the given serve options and load-test it",
+        description="Options not listed here (a model path, --max-num-seqs 32, --no-prefix-caching, ...) "
+        "go to `yaie serve`. The load generator is the one in benchmarks/serve_bench.py.",
+    )
+    bench.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
+    bench.add_argument("--num-requests", default="32", help="requests per level")
+    bench.add_argument("--prompt-set", choices=("short", "long", "shared-prefix"), default="short")
+    bench.add_argument("--max-tokens", default="128")
+    bench.add_argument("--out", help="write the results as JSON here")
+    bench.set_defaults(run=run_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.serve_args = extra  # `yaie bench` hands the options it does not know to `yaie serve`
     try:
         return args.run(args)
     except (YaieError, ValueError) as exc:  # a model we cannot load, a configuration that cannot work
@@ -338,6 +357,46 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         console.print()
         messages.append({"role": "assistant", "content": answer})
+
+
+# -- bench ------------------------------------------------------------------------------------
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from yaie import bench
+
+    with socket.socket() as probe:  # a free loopback port for the server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "yaie.cli", "serve", *args.serve_args, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--log-level", "warning"]
+    err_console.print(f"starting: {' '.join(command[2:])}")
+    server = subprocess.Popen(command)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                err_console.print(f"[red]error:[/] the server exited with code {server.returncode}")
+                return 1
+            try:
+                if httpx.get(f"{base_url}/health", timeout=1.0, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                err_console.print("[red]error:[/] the server did not become healthy within 300 s")
+                return 1
+            time.sleep(0.5)
+        bench_argv = ["--base-url", base_url, "--concurrency", args.concurrency, "--label", "yaie"]
+        bench_argv += ["--num-requests", args.num_requests, "--prompt-set", args.prompt_set]
+        bench_argv += ["--max-tokens", args.max_tokens, "--ignore-eos"]
+        if args.out:
+            bench_argv += ["--out", args.out]
+        return bench.main(bench_argv)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

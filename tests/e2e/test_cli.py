@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -62,6 +63,20 @@ def test_generate_streams_a_completion(llm: LLM) -> None:
     )
     [expected] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))
     assert result.stdout == expected.outputs[0].text + "\n"
+
+
+def test_bench_starts_a_server_and_reports_every_level(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    command = yaie_command("bench", "--concurrency", "1,2", "--num-requests", "2", "--max-tokens", "4")
+    # --num-kv-blocks and --max-num-seqs are not bench options: they go to `yaie serve`.
+    command += ["--out", str(out), "--num-kv-blocks", "128", "--max-num-seqs", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "--max-num-seqs 4" in result.stderr  # forwarded to `yaie serve`
+    report = json.loads(out.read_text())
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
+    for level in report["levels"]:
+        assert level["errors"] == 0 and all(r["output_tokens"] == 4 for r in level["requests"])
 
 
 @pytest.mark.slow
