@@ -226,7 +226,7 @@ class Engine:
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= vocab for t in ids):
                 raise InvalidRequestError(
-                    f"{name}: token ids must be below the vocabulary size {vocab}", name=name
+                    f"{name}: token ids must be below the vocabulary size {vocab}", param=name
                 )
         room = self.max_model_len - len(token_ids)
         if room < 1:
