@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_no_leak
+from engine_helpers import assert_no_leak
 
 from yaie import LLM, InvalidRequestError, ModelLoadError, SamplingParams, UnsupportedModelError
 from yaie.cache.radix_cache import RadixCache
@@ -187,3 +187,16 @@ def test_any_integer_seed_is_accepted_and_reproducible(llm):
     params = SamplingParams(n=2, seed=2**64 - 1, temperature=1.0, max_tokens=6)
     first, again = llm.generate(["Seeds"], params), llm.generate(["Seeds"], params)
     assert [o.token_ids for o in first[0].outputs] == [o.token_ids for o in again[0].outputs]
+
+
+def test_stop_token_text_is_kept_only_when_asked(llm):
+    prompt = "Once upon a time"
+    [free] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    ids = free.outputs[0].token_ids
+    stop_at = ids.index(ids[3])
+    params = {"temperature": 0, "max_tokens": 12, "stop_token_ids": [ids[stop_at]]}
+    [cut] = llm.generate([prompt], SamplingParams(**params))
+    [kept] = llm.generate([prompt], SamplingParams(**params, include_stop_str_in_output=True))
+    assert cut.outputs[0].token_ids == kept.outputs[0].token_ids == ids[: stop_at + 1]
+    assert cut.outputs[0].text == llm.tokenizer.decode(ids[:stop_at])
+    assert kept.outputs[0].text == llm.tokenizer.decode(ids[: stop_at + 1])

@@ -341,6 +341,8 @@ class Engine:
             status = RequestStatus.FINISHED_STOPPED
             # As in vLLM: stop_reason names a stop token, and stays None for EOS.
             request.stop_reason = None if token_id in self.eos_token_ids else token_id
+            if request.stop_reason is not None and params.include_stop_str_in_output:
+                choice.text += choice.detokenizer.add(token_id) + choice.detokenizer.flush()
         else:
             delta = choice.detokenizer.add(token_id)
             if delta:
