@@ -77,13 +77,21 @@ class Scheduler:
         request gets logits of its own to sample from."""
         request.status = RequestStatus.WAITING
         source = share_prefix_of
-        if source is not None and source.block_table:
-            num_blocks = min(source.num_computed_tokens, request.num_tokens - 1) // self.block_size
-            shared = source.block_table[:num_blocks]
-            self.pool.incref(shared)
-            request.block_table = list(shared)
-            request.num_computed_tokens = num_blocks * self.block_size
-        self.waiting.append(request)
+        if source is None or not source.block_table:
+            self.waiting.append(request)
+            return
+        num_blocks = min(source.num_computed_tokens, request.num_tokens - 1) // self.block_size
+        shared = source.block_table[:num_blocks]
+        self.pool.incref(shared)
+        request.block_table = list(shared)
+        request.num_computed_tokens = num_blocks * self.block_size
+        # A waiting request that holds blocks must not queue behind one that cannot be admitted
+        # until those very blocks are freed. It arrived with its group anyway: put it first,
+        # after the other block-holding requests.
+        position = 0
+        while position < len(self.waiting) and self.waiting[position].block_table:
+            position += 1
+        self.waiting.insert(position, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
