@@ -69,6 +69,33 @@ def table(short: dict[str, dict[str, Any]], shared: dict[str, dict[str, Any]]) -
     return "\n".join(lines)
 
 
+def context_table(directory: Path) -> str:
+    """Time per output token at each context length (compare_context.sh), and its growth."""
+    tpot: dict[str, dict[int, float]] = {}
+    prompt_tokens: dict[int, float] = {}  # what the server counted, chat template included
+    for engine in ENGINES:
+        for path in directory.glob(f"{engine}-ctx*.json"):
+            found = level(json.loads(path.read_text()), 1)
+            if found is None or found.get("tpot_p50_s") is None:
+                continue
+            context = int(path.stem.rsplit("ctx", 1)[1])
+            tpot.setdefault(engine, {})[context] = found["tpot_p50_s"] * 1000
+            prompt_tokens.setdefault(context, found["mean_prompt_tokens"])
+    if "yaie" not in tpot:
+        return ""
+    engines = [e for e in ENGINES if e in tpot]
+    lines = ["| prompt tokens | " + " | ".join(f"{e} ms/token (× shortest)" for e in engines) + " |"]
+    lines.append("|" + "---|" * (len(engines) + 1))
+    for context in sorted(tpot["yaie"]):
+        cells = []
+        for e in engines:
+            shortest = tpot[e][min(tpot[e])]
+            value = tpot[e].get(context)
+            cells.append("–" if value is None else f"{value:.1f} ({value / shortest:.2f}×)")
+        lines.append(f"| {prompt_tokens[context]:,.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def kv_memory() -> dict[str, list[list[int]]]:
     cfg = GGUFCheckpoint(str(bundled_model_path())).hf_config()
     per_element = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]  # K and V
@@ -94,6 +121,9 @@ def main() -> int:
     if "yaie" not in short:
         raise SystemExit(f"no yaie-short.json in {args.dir}")
     report = table(short, shared)
+    contexts = context_table(args.dir)
+    if contexts:
+        report += "\n\nDecode cost against context (one client, TPOT p50):\n\n" + contexts
     kv = kv_memory()
     per_token = {e: points[0][1] // points[0][0] for e, points in kv.items()}
     report += "\n\nKV cache bytes per token: " + ", ".join(f"{e} {b:,}" for e, b in per_token.items()) + "\n"
