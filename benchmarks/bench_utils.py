@@ -8,12 +8,15 @@ work kept busy during a measurement; `run_undisturbed` repeats a measurement tha
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -88,3 +91,20 @@ def machine_info() -> dict[str, Any]:
 def make_console() -> Console:
     """A rich console; when output goes to a file or pipe, wide enough for the result tables."""
     return Console(width=None if sys.stdout.isatty() else 120)
+
+
+def add_disturbance_args(parser: argparse.ArgumentParser) -> None:
+    """--max-bg-cores and --retries, the knobs of `run_undisturbed`."""
+    parser.add_argument(
+        "--max-bg-cores",
+        type=float,
+        default=0.3,
+        help="redo a measurement during which other processes kept more cores than this busy",
+    )
+    parser.add_argument("--retries", type=int, default=2, help="redos per disturbed measurement, at most")
+
+
+def write_report(path: Path, report: dict[str, Any], console: Console) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")

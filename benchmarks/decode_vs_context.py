@@ -16,7 +16,6 @@ off, so every prompt is computed in full. Add 8192 to --contexts for the model's
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_utils import machine_info, make_console, run_undisturbed  # benchmarks/ is the script's folder
+from bench_utils import (  # benchmarks/ is the script's folder
+    add_disturbance_args,
+    machine_info,
+    make_console,
+    run_undisturbed,
+    write_report,
+)
 from offline_throughput import PROMPTS
 from rich.console import Console
 from rich.table import Table
@@ -133,13 +138,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 2048, 4096], help="batch 1")
     parser.add_argument("--batch8-contexts", type=int, nargs="*", default=[128, 1024], help="batch 8")
     parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
-    parser.add_argument(
-        "--max-bg-cores",
-        type=float,
-        default=0.3,
-        help="redo a measurement during which other processes kept more cores than this busy",
-    )
-    parser.add_argument("--retries", type=int, default=2, help="redos per disturbed measurement, at most")
+    add_disturbance_args(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_vs_context.json"))
     return parser.parse_args()
@@ -196,9 +195,7 @@ def main() -> int:
             for m in measurements
         ],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {args.out}")
+    write_report(args.out, report, console)
     return 0
 
 

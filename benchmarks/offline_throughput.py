@@ -25,7 +25,6 @@ only ever slows a run down, so the best-of-repeats ratio is printed beside the m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,13 @@ from typing import Any, Protocol
 
 import torch
 import transformers
-from bench_utils import machine_info, make_console, run_undisturbed  # benchmarks/ is the script's folder
+from bench_utils import (  # benchmarks/ is the script's folder
+    add_disturbance_args,
+    machine_info,
+    make_console,
+    run_undisturbed,
+    write_report,
+)
 from dense_copy import DEFAULT_OUT as DEFAULT_DENSE_DIR
 from dense_copy import make_dense_copy
 from rich.console import Console
@@ -285,13 +290,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--warmup-tokens", type=int, default=16, help="new tokens per request when warming up"
     )
-    parser.add_argument(
-        "--max-bg-cores",
-        type=float,
-        default=0.3,
-        help="redo a run during which other processes kept more cores than this busy",
-    )
-    parser.add_argument("--retries", type=int, default=2, help="redos per disturbed run, at most")
+    add_disturbance_args(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     parser.add_argument(
         "--dense-dir", type=Path, default=DEFAULT_DENSE_DIR, help="dense copy for transformers"
@@ -398,9 +397,7 @@ def main() -> int:
         "greedy_agreement_tokens": {str(batch): agreed for batch, agreed in agreement.items()},
         "floors": floors,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {args.out}")
+    write_report(args.out, report, console)
     return 0
 
 

@@ -51,6 +51,7 @@ from bench_utils import (
     cpu_sample,
     machine_info,
     make_console,
+    write_report,
 )  # benchmarks/ is the script's folder
 from rich.table import Table
 
@@ -377,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratio_rows,
         "meets_floor": all(row["meets_floor"] for row in ratio_rows),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {args.out}")
+    write_report(args.out, report, console)
     return 0
 
 
