@@ -116,8 +116,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
-        model_max = None if config.max_model_len is None else config.max_model_len
-        loaded = load_model(config.model, self.dtype, self.device, max_positions=model_max)
+        loaded = load_model(config.model, self.dtype, self.device, max_positions=config.max_model_len)
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -297,7 +296,7 @@ class Engine:
             group, choice = self._choice_of[item.request]
             logprob = None
             if choice.logprobs is not None and sampled.logprobs is not None:
-                top = sampled.top_logprobs[row][: group.params.logprobs] if sampled.top_logprobs else []
+                top = sampled.top_logprobs[row] if sampled.top_logprobs else []  # already cut to this row's k
                 logprob = TokenLogprob(sampled.token_ids[row], sampled.logprobs[row], top)
             self._append_token(group, choice, sampled.token_ids[row], logprob)
             touched[group.request_id] = group
