@@ -27,7 +27,7 @@ from rich.console import Console
 class CpuSample:
     wall_s: float
     busy_s: float  # CPU time of the whole machine that was not idle, steal included
-    own_s: float  # CPU time of this process, all threads
+    own_s: float  # CPU time of this process, all threads, and of its children it has waited for
 
 
 def cpu_sample() -> CpuSample:
@@ -37,7 +37,9 @@ def cpu_sample() -> CpuSample:
     idle = ticks[3] + ticks[4]
     times = os.times()
     return CpuSample(
-        time.perf_counter(), (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"), times.user + times.system
+        time.perf_counter(),
+        (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"),
+        times.user + times.system + times.children_user + times.children_system,
     )
 
 

@@ -209,22 +209,20 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    engine = Engine(
-        _engine_config(
-            args,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            enable_prefix_caching=not args.no_prefix_caching,
-        )
+    config = _engine_config(
+        args,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
-    name = args.served_model_name or args.model or Path(engine.model_path).stem
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(lambda: Engine(config))
+    name = args.served_model_name or args.model or Path(async_engine.engine.model_path).stem
     app = build_app(async_engine, name, api_key=args.api_key, max_waiting=args.max_waiting)
-    config = uvicorn.Config(
+    server_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
-    Server(config, async_engine, name).run()
+    Server(server_config, async_engine, name).run()
     async_engine.shutdown()
     return 0
 

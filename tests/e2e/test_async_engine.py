@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import pytest
 
 from yaie import LLM, InvalidRequestError, SamplingParams
 from yaie.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError, RequestFailedError
+from yaie.engine.engine import Engine
 from yaie.outputs import RequestOutput
 from yaie.server.app import build_app
 
@@ -24,12 +26,22 @@ LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
 @contextlib.contextmanager
 def running(llm: LLM) -> Iterator[AsyncEngine]:
     """An AsyncEngine that owns `llm`'s engine until the block ends."""
-    async_engine = AsyncEngine(llm.engine)
+    with running_engine(lambda: llm.engine) as async_engine:
+        yield async_engine
+    assert not llm.engine.has_unfinished_requests()
+
+
+@contextlib.contextmanager
+def running_engine(make_engine: Callable[[], Engine]) -> Iterator[AsyncEngine]:
+    async_engine = AsyncEngine(make_engine)
     try:
         yield async_engine
     finally:
         async_engine.shutdown()
-    assert not llm.engine.has_unfinished_requests()
+
+
+async def drain(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [output async for output in outputs]
 
 
 async def wait_idle(async_engine: AsyncEngine, timeout: float = 10.0) -> bool:
@@ -39,6 +51,40 @@ async def wait_idle(async_engine: AsyncEngine, timeout: float = 10.0) -> bool:
             return False
         await asyncio.sleep(0.02)
     return True
+
+
+def test_engine_is_built_and_run_on_one_thread(llm: LLM) -> None:
+    # Building on the thread that runs the model keeps OpenMP to one worker pool; a second
+    # pool makes every op ~40% slower on 2 cores (benchmarks/thread_pools.py).
+    threads: list[threading.Thread] = []
+
+    def make_engine() -> Engine:
+        threads.append(threading.current_thread())
+        return llm.engine
+
+    original_step = llm.engine.step
+
+    def step() -> list[RequestOutput]:
+        threads.append(threading.current_thread())
+        return original_step()
+
+    llm.engine.step = step
+    try:
+        with running_engine(make_engine) as async_engine:
+            asyncio.run(drain(async_engine.generate("r", "Hi", SamplingParams(max_tokens=2))))
+    finally:
+        del llm.engine.step
+    assert len(threads) >= 2
+    assert threading.main_thread() not in threads
+    assert len(set(threads)) == 1
+
+
+def test_a_failing_build_raises_from_the_constructor() -> None:
+    def make_engine() -> Engine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(make_engine)
 
 
 def test_generate_streams_what_llm_returns(llm: LLM) -> None:

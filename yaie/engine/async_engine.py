@@ -5,6 +5,12 @@ commands queued by the event loop (add, abort, tokenize, ...), `step()` if anyth
 unfinished, and hand each output to its request's `asyncio.Queue` on the event loop. With
 nothing to do it sleeps on a condition variable, so an idle server costs no CPU.
 
+That thread also builds the Engine, so every torch call of the server comes from it. This is
+for speed, not safety: OpenMP keeps a pool of worker threads per calling thread, and once the
+process has more OpenMP threads than cores, libgomp stops spin-waiting and wakes its workers
+through the kernel at every parallel op. A model loaded on the main thread and run on this one
+decodes ~40% slower on 2 cores (benchmarks/thread_pools.py measures it).
+
 Requests are streams: `add_request` returns a `RequestStream` once the engine has accepted the
 request (so a refused request raises before anything is streamed), and closing that stream
 before it finishes aborts the request, which frees its KV blocks at once.
@@ -86,21 +92,27 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs an Engine on a background thread it owns until `shutdown()`."""
+    """Runs an Engine on a background thread it owns until `shutdown()`.
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer  # decoding from other threads only reads it
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+    `make_engine` is called on that thread (see the module docstring for why); the constructor
+    returns once it has, and raises what it raised.
+    """
+
+    def __init__(self, make_engine: Callable[[], Engine]) -> None:
         self._wakeup = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()  # guarded by _wakeup
         self._stopping = False  # guarded by _wakeup
         self._closed = False  # event-loop side: refuse new requests
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
-        self._stats = engine.stats()  # replaced (never mutated) by the engine thread
-        self._thread = threading.Thread(target=self._run, name="yaie-engine", daemon=True)
+        built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(make_engine, built), name="yaie-engine", daemon=True
+        )
         self._thread.start()
+        engine = built.result()
+        self.tokenizer = engine.tokenizer  # decoding from other threads only reads it
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
 
     # -- the event loop's side ----------------------------------------------------------------
 
@@ -211,7 +223,14 @@ class AsyncEngine:
 
     # -- the engine thread --------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, make_engine: Callable[[], Engine], built: concurrent.futures.Future[Engine]) -> None:
+        try:
+            self.engine = make_engine()
+            self._stats = self.engine.stats()  # replaced (never mutated) by this thread
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        built.set_result(self.engine)
         try:
             self._loop()
         except Exception:
