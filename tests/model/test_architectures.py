@@ -25,8 +25,11 @@ ATOL = 1e-4
 BLOCK = 4
 
 
+@pytest.mark.parametrize("decode", ["native", "pytorch"])
 @pytest.mark.parametrize("kind", ARCHITECTURES)
-def test_logits_match_transformers(kind, tmp_path):
+def test_logits_match_transformers(kind, decode, tmp_path, request):
+    if decode == "native":
+        request.getfixturevalue("native_kernels")
     hf = make_tiny_model(kind, tmp_path)
     ours = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
     assert ours.config.tie_word_embeddings == hf.config.tie_word_embeddings
@@ -34,6 +37,7 @@ def test_logits_match_transformers(kind, tmp_path):
 
     # 1. Prefill logits at every prompt position, straight through the model.
     runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, dtype=torch.float32)
+    runner.native_decode = decode == "native"
     n = len(prompt)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n)])
     with torch.inference_mode():

@@ -1,8 +1,10 @@
 """Paged attention: K/V are written into fixed-size blocks and read back through block tables.
 
-This is the one module that knows how attention touches the KV cache. It does it with plain
-PyTorch (a gather of each sequence's blocks, then scaled_dot_product_attention); a fused
-kernel can replace `paged_attention` without anything else changing.
+This is the one module that knows how attention touches the KV cache. Prompts run through
+PyTorch's scaled_dot_product_attention (after gathering cached blocks, if any). Decoding tokens
+on a CPU run through a native kernel that reads each sequence's blocks in place
+(csrc/paged_attention.cpp); elsewhere, or when it could not be built, through a gather of each
+sequence's blocks and scaled_dot_product_attention.
 
 Cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
 Token t of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`;
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from yaie.model import kernels
 
 
 @dataclass
@@ -36,7 +40,8 @@ class AttentionMetadata:
     # Decoding sequences (one new token each), batched into a single attention call.
     decode_token_idx: torch.Tensor | None = None  # [decodes] positions in the packed batch; None = all
     decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size]: key is valid
+    decode_context_lens: torch.Tensor | None = None  # [decodes]: keys each one attends to
+    use_native_kernel: bool = False  # decode with kernels.paged_decode_attention
 
     @property
     def num_decodes(self) -> int:
@@ -85,12 +90,31 @@ def paged_attention(
 
     if meta.num_decodes:
         idx = meta.decode_token_idx
-        qd = (q if idx is None else q[idx]).unsqueeze(2)  # [decodes, heads, 1, head_dim]
-        kd = _gather(k_cache, meta.decode_block_tables)  # [decodes, kv_heads, len, head_dim]
-        vd = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
+        o = _decode(q if idx is None else q[idx], k_cache, v_cache, meta)
         if idx is None:
-            out = o.squeeze(2)
+            out = o
         else:
-            out[idx] = o.squeeze(2)
+            out[idx] = o
     return out
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Attention of one new token per sequence: q [decodes, heads, head_dim] -> the same shape."""
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    if meta.use_native_kernel:
+        return kernels.paged_decode_attention(
+            q.contiguous(), k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5
+        )
+    kd = _gather(k_cache, tables)  # [decodes, kv_heads, max_blocks * block_size, head_dim]
+    vd = _gather(v_cache, tables)
+    mask = torch.arange(kd.shape[2], device=q.device) < lens.unsqueeze(1)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        kd,
+        vd,
+        attn_mask=mask.view(len(lens), 1, 1, -1),
+        enable_gqa=q.shape[1] != k_cache.shape[2],
+    )
+    return o.squeeze(2)

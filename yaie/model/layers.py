@@ -40,24 +40,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the HF layout) with cos/sin precomputed for every position."""
+    """Rotate-half RoPE (the HF layout) with cos/sin precomputed for every position.
+
+    The tables are full width, cos as [cos, cos] and sin as [-sin, sin], so that rotating is
+    x * cos + swap_halves(x) * sin: three ops for all heads of q and k together.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor) -> None:
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim / 2]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            x1, x2 = x.chunk(2, dim=-1)
-            c, s = cos.to(x.dtype), sin.to(x.dtype)
-            out.append(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
-        return tuple(out)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's position, [tokens, 1, head_dim]: looked up once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] by the tables RotaryEmbedding returned."""
+    cos, sin = cos_sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
 class Linear(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 
 from yaie.model.attention import AttentionMetadata, paged_attention
 from yaie.model.config import ModelConfig
-from yaie.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, rope_inv_freq
+from yaie.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 
 # HF per-layer names that land in our fused projections: (our parameter, shard).
 _HF_FUSED_NAMES = {
@@ -32,7 +32,7 @@ _HF_FUSED_NAMES = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -41,34 +41,38 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = rope
         # Views into the runner's KV tensor, assigned after the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q_heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.q_norm is None:  # rotate the q and k heads in one go
+            qk = apply_rope(qkv[:, : q_heads + kv_heads], rope)
+            q, k = qk[:, :q_heads], qk[:, q_heads:]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :q_heads]), rope)
+            k = apply_rope(self.k_norm(qkv[:, q_heads : q_heads + kv_heads]), rope)
+        v = qkv[:, q_heads + kv_heads :]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(o.flatten(1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -78,8 +82,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # With tied embeddings the output projection reuses the embedding table (copied in pack()).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -89,8 +93,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """[tokens] ids -> [tokens, hidden] final hidden states (normed)."""
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rope(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from yaie.engine.request import Request
 from yaie.engine.scheduler import SchedulerOutput
+from yaie.model import kernels
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.llama import CausalLM
 
@@ -42,6 +43,8 @@ class ModelRunner:
         )  # fmt: skip
         for layer, kv in zip(model.layers, self.kv_cache, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
+        # Decoding reads the cache in place through a native kernel where one could be built.
+        self.native_decode = self.device.type == "cpu" and kernels.load()
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -105,10 +108,8 @@ class ModelRunner:
             max_blocks = max(len(t) for t in decode_tables)
             padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
             meta.decode_block_tables = self._tensor(padded)
-            key_pos = torch.arange(max_blocks * bs, device=self.device)
-            meta.decode_mask = (key_pos < self._tensor(decode_lens).unsqueeze(1)).view(
-                len(decode_rows), 1, 1, -1
-            )
+            meta.decode_context_lens = self._tensor(decode_lens)
+            meta.use_native_kernel = self.native_decode
             if len(decode_rows) != len(input_ids):
                 meta.decode_token_idx = self._tensor(decode_rows)
         return _Inputs(self._tensor(input_ids), self._tensor(positions), meta, logits_rows, prompt_rows)

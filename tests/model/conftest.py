@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from yaie.model import kernels
+
+
+@pytest.fixture(scope="session")
+def native_kernels() -> None:
+    """The native CPU kernels, built. Where the user turned them off, the test is skipped; where
+    they fail to build, it fails: CI machines have a compiler, so that is a bug."""
+    if os.environ.get("YAIE_NATIVE_KERNELS") == "0":
+        pytest.skip("YAIE_NATIVE_KERNELS=0")
+    assert kernels.load(), "the native kernels did not build (see the warning above)"

@@ -1,0 +1,87 @@
+"""Decode attention over the paged KV cache: the native kernel and the PyTorch path against plain
+attention over each sequence's keys, laid out densely."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yaie.model import kernels
+from yaie.model.attention import AttentionMetadata, paged_attention
+
+NUM_BLOCKS = 64
+
+
+def dense_reference(q, k_cache, v_cache, tables, lens):
+    """Each sequence's keys gathered token by token, then textbook attention in float64."""
+    block_size, head_dim = k_cache.shape[1], q.shape[-1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = []
+    for seq, length in enumerate(lens.tolist()):
+        slots = [(int(tables[seq, t // block_size]), t % block_size) for t in range(length)]
+        k = torch.stack([k_cache[b, o] for b, o in slots]).double().repeat_interleave(group, dim=1)
+        v = torch.stack([v_cache[b, o] for b, o in slots]).double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[seq].double(), k) / head_dim**0.5
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+def make_case(num_seqs, heads, kv_heads, head_dim, block_size, max_len, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(NUM_BLOCKS, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+    lens[0] = max_len
+    max_blocks = -(-max_len // block_size)
+    # Every sequence's blocks are scattered over the cache; table entries past a sequence's end
+    # point at blocks that belong to others, which it must not read.
+    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:max_blocks] for _ in range(num_seqs)])
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+CASES = [
+    # seqs, heads, kv_heads, head_dim, block_size, max context
+    (8, 9, 3, 64, 16, 170),  # the bundled model's shape (GQA, groups of 3)
+    (1, 9, 3, 64, 16, 1000),  # several 256-token splits, merged
+    (3, 4, 4, 32, 16, 1),  # one token of context
+    (5, 8, 2, 128, 32, 700),  # head_dim 128, wider blocks
+    (4, 6, 1, 16, 1, 40),  # block size 1, one KV head (MQA)
+    (2, 4, 2, 8, 4, 64),  # context exactly filling its blocks
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+def test_decode_attention_matches_dense_attention(case, path, request):
+    if path == "native":
+        request.getfixturevalue("native_kernels")
+    q, k_cache, v_cache, tables, lens = make_case(*case, dtype=torch.float32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        prefills=[],
+        decode_block_tables=tables,
+        decode_context_lens=lens,
+        use_native_kernel=path == "native",
+    )
+    empty = q.new_empty(0, k_cache.shape[2], q.shape[-1])
+    out = paged_attention(q, empty, empty, k_cache, v_cache, meta)
+    torch.testing.assert_close(
+        out.double(), dense_reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_kernel_in_half_precision(dtype, native_kernels):
+    q, k_cache, v_cache, tables, lens = make_case(4, 9, 3, 64, 16, 600, dtype)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 64**-0.5)
+    assert out.dtype == dtype
+    expected = dense_reference(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+
+
+def test_native_kernel_refuses_a_context_longer_than_its_table(native_kernels):
+    q, k_cache, v_cache, tables, lens = make_case(2, 4, 2, 16, 4, 8, torch.float32)
+    lens[1] = tables.shape[1] * 4 + 1
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)

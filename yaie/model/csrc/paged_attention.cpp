@@ -1,0 +1,203 @@
+// Decode attention over the paged KV cache, for CPUs: one new query token per sequence, keys and
+// values read where they lie in their blocks.
+//
+// The PyTorch path (attention.py) first copies every sequence's blocks into a dense tensor and
+// then runs scaled_dot_product_attention on it: two passes over the context plus op overheads,
+// which grows with the context length. Here each (sequence, KV head, stretch of the context) is
+// one work item that walks the block table directly:
+//
+//   context of one sequence:  | split 0 (~256 tokens, whole blocks) | split 1 | ... | split n-1 |
+//   each split, for every query head h (GQA: h reads KV head h / group):
+//     pass 1  s[h][t] = scale * q_h . k_t                     (reads the split's K blocks once)
+//     pass 2  p = exp(s - max_t s);  acc[h] = sum_t p[t] v_t  (reads its V blocks once)
+//   then the splits of a sequence are merged with their maxima and sums (the "flash-decoding"
+//   combine), so one long sequence still keeps every thread busy.
+//
+// Built by yaie/model/kernels.py with -O3 -march=native -ffast-math. Fast-math lets GCC vectorize
+// expf through glibc's vector math library; it is safe here because the kernel never produces
+// infinities or NaNs: it only visits real context tokens (no -inf masking), and every
+// exponent is s - max <= 0.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSplitTokens = 256;  // about this many context tokens per work item
+
+struct Shapes {
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t blocks_per_split, num_splits;
+  int64_t group() const { return num_heads / num_kv_heads; }
+};
+
+// One split of one sequence, all heads: writes the unnormalised output of every query head to
+// acc [heads, head_dim], and each head's score maximum and exp-sum to max_out / sum_out [heads].
+// Blocks are read whole and in order (a block holds every KV head of its tokens), K once, V once.
+template <typename T>
+void attend_split(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
+                  int64_t begin, int64_t end, float scale, const Shapes& s, float* acc,
+                  float* max_out, float* sum_out) {
+  const int64_t H = s.num_heads, G = s.group(), D = s.head_dim, n = end - begin;
+  const int64_t token_stride = s.num_kv_heads * D;  // one token's row: [kv_heads, dim]
+  std::vector<float> qf(H * D), scores(H * n);
+  for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+
+  // Calls visit(i, row) for the tokens begin..end-1, one block at a time; i counts from 0.
+  auto for_each_token = [&](const T* cache, auto&& visit) {
+    for (int64_t t = begin; t < end;) {
+      const int64_t offset = t % s.block_size, count = std::min(s.block_size - offset, end - t);
+      const T* row = cache + (block_table[t / s.block_size] * s.block_size + offset) * token_stride;
+      for (int64_t j = 0; j < count; ++j, row += token_stride) visit(t - begin + j, row);
+      t += count;
+    }
+  };
+
+  for_each_token(k_cache, [&](int64_t i, const T* k_row) {
+    for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+      const T* k = k_row + kv * D;
+      for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
+        const float* qh = qf.data() + h * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(k[d]);
+        scores[h * n + i] = dot;
+      }
+    }
+  });
+
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores.data() + h * n;
+    float m = -FLT_MAX;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sh[i] = std::exp(sh[i] - m);
+      sum += sh[i];
+    }
+    max_out[h] = m;
+    sum_out[h] = sum;
+  }
+
+  std::fill(acc, acc + H * D, 0.f);
+  for_each_token(v_cache, [&](int64_t i, const T* v_row) {
+    for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+      const T* v = v_row + kv * D;
+      for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
+        const float p = scores[h * n + i];
+        float* ah = acc + h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(v[d]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
+                      const Shapes& s, at::Tensor& out) {
+  const int64_t H = s.num_heads, D = s.head_dim;
+  const int64_t items = s.num_seqs * s.num_splits;
+  const int64_t split_len = s.blocks_per_split * s.block_size;
+  // Per item: acc [H, D], then max [H], then sum [H].
+  const int64_t item_floats = H * D + 2 * H;
+  std::vector<float> partial(items * item_floats);
+
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+
+  at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t seq = item / s.num_splits, split = item % s.num_splits;
+      const int64_t begin = split * split_len, end = std::min(lens[seq], begin + split_len);
+      float* part = partial.data() + item * item_floats;
+      if (begin >= end) {  // this sequence is shorter than the longest: an empty split
+        std::fill(part, part + item_floats, 0.f);
+        continue;
+      }
+      attend_split<T>(q_ptr + seq * H * D, k_ptr, v_ptr, tables + seq * s.max_blocks, begin, end,
+                      scale, s, part, part + H * D, part + H * D + H);
+    }
+  });
+
+  // Combine the splits of each sequence: rescale each to the common maximum, then normalise.
+  at::parallel_for(0, s.num_seqs, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> o(D);
+    for (int64_t seq = first; seq < last; ++seq) {
+      const float* parts = partial.data() + seq * s.num_splits * item_floats;
+      for (int64_t h = 0; h < H; ++h) {
+        float m = -FLT_MAX;
+        for (int64_t i = 0; i < s.num_splits; ++i) {
+          const float* part = parts + i * item_floats;
+          if (part[H * D + H + h] > 0.f) m = std::max(m, part[H * D + h]);
+        }
+        float total = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t i = 0; i < s.num_splits; ++i) {
+          const float* part = parts + i * item_floats;
+          const float sum = part[H * D + H + h];
+          if (sum == 0.f) continue;  // an empty split
+          const float w = std::exp(part[H * D + h] - m);
+          total += w * sum;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * part[h * D + d];
+        }
+        T* dst = out_ptr + (seq * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], caches [blocks, block, kv_heads, dim]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "tables must be contiguous");
+  Shapes s{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), 0, 0};
+  TORCH_CHECK(k_cache.size(3) == s.head_dim && s.num_heads % s.num_kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(block_tables.size(0) == s.num_seqs && context_lens.size(0) == s.num_seqs, "one table per sequence");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  int64_t max_len = 1;
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= s.max_blocks * s.block_size, "context length ", lens[i],
+                " does not fit its block table");
+    max_len = std::max(max_len, lens[i]);
+  }
+  s.blocks_per_split = std::max<int64_t>(1, kSplitTokens / s.block_size);
+  const int64_t split_len = s.blocks_per_split * s.block_size;
+  s.num_splits = (max_len + split_len - 1) / split_len;
+
+  at::Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale), s, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(yaie, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(yaie, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

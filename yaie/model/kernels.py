@@ -1,0 +1,60 @@
+"""Native CPU kernels (csrc/), compiled on first use with the machine's C++ compiler.
+
+PyTorch's own ops cover everything yaie does; these kernels only do some of it faster. So a
+machine that cannot build them (no compiler, or YAIE_NATIVE_KERNELS=0) runs the PyTorch path,
+with one warning saying why. The build takes ~20 s once; torch caches it under
+~/.cache/torch_extensions and rebuilds when the source changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+# -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or find in the cache) and load the kernels into torch.ops.yaie; False if we can't."""
+    if os.environ.get("YAIE_NATIVE_KERNELS", "1") == "0":
+        return False
+    from torch.utils import cpp_extension
+
+    console = Console(stderr=True)
+    try:
+        with console.status("compiling yaie's CPU kernels (once per machine, ~20 s)"):
+            cpp_extension.load(
+                name="yaie_kernels",
+                sources=[str(path) for path in _SOURCES],
+                extra_cflags=_CFLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
+    except (OSError, RuntimeError, ImportError, cpp_extension.subprocess.CalledProcessError) as exc:
+        logger.warning("native CPU kernels unavailable, using the PyTorch path (slower): %s", exc)
+        return False
+    return True
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged K/V: q [seqs, heads, dim] -> [seqs, heads, dim].
+    Caches are [blocks, block_size, kv_heads, dim]; block_tables [seqs, max_blocks] and
+    context_lens [seqs] are int64. Call only after `load()` returned True."""
+    return torch.ops.yaie.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
