@@ -20,7 +20,10 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
-_CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+# -fopenmp: at::parallel_for is OpenMP inside torch's headers, and runs serially without it;
+# the libgomp it links is the one torch already loaded (same soname), so no second pool.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
@@ -37,6 +40,7 @@ def load() -> bool:
                 name="yaie_kernels",
                 sources=[str(path) for path in _SOURCES],
                 extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
                 is_python_module=False,
                 verbose=False,
             )
