@@ -18,12 +18,17 @@ from rich.console import Console
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "rms_norm.cpp")]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
 # -fopenmp: at::parallel_for is OpenMP inside torch's headers, and runs serially without it;
 # the libgomp it links is the one torch already loaded (same soname), so no second pool.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
+
+
+def available(device: torch.device) -> bool:
+    """Whether tensors on `device` can use the kernels (building them on first call)."""
+    return device.type == "cpu" and load()
 
 
 @functools.cache
@@ -62,3 +67,8 @@ def paged_decode_attention(
     Caches are [blocks, block_size, kv_heads, dim]; block_tables [seqs, max_blocks] and
     context_lens [seqs] are int64. Call only after `load()` returned True."""
     return torch.ops.yaie.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place), then return rms_norm(residual) * weight; all [tokens, hidden]."""
+    return torch.ops.yaie.add_rms_norm(x, residual, weight, eps)

@@ -9,15 +9,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yaie.model import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.native = False  # set by the model once the native kernels are known to be there
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add a sublayer's output to the residual stream, then normalise: (normed, new residual).
+        The native kernel updates `residual` in place; the PyTorch path makes a new tensor."""
+        if self.native:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

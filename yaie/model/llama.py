@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yaie.model import kernels
 from yaie.model.attention import AttentionMetadata, paged_attention
 from yaie.model.config import ModelConfig
 from yaie.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
@@ -70,10 +71,18 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, not yet added to `residual` (the running sum of
+        the embedding and every sublayer's output). Returns this layer's pair."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -92,20 +101,25 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """[tokens] ids -> [tokens, hidden] final hidden states (normed)."""
-        x = F.embedding(input_ids, self.embed_tokens)
-        rope = self.rope(positions, x.dtype)
+        residual = F.embedding(input_ids, self.embed_tokens)
+        x = torch.zeros_like(residual)  # nothing to add before the first layer
+        rope = self.rope(positions, residual.dtype)
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     def pack(self) -> None:
-        """Switch every projection to its fast inference layout; call once, after loading."""
+        """Switch to the fast inference paths: every projection to its packed layout, and the
+        residual add + norm to the native kernel where it is built. Call once, after loading."""
+        native = kernels.available(self.embed_tokens.device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+            elif isinstance(module, RMSNorm):
+                module.native = native
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -44,7 +44,7 @@ class ModelRunner:
         for layer, kv in zip(model.layers, self.kv_cache, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
         # Decoding reads the cache in place through a native kernel where one could be built.
-        self.native_decode = self.device.type == "cpu" and kernels.load()
+        self.native_decode = kernels.available(self.device)
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:

@@ -1,5 +1,6 @@
-"""Decode attention over the paged KV cache: the native kernel and the PyTorch path against plain
-attention over each sequence's keys, laid out densely."""
+"""The native CPU kernels against plain PyTorch: decode attention over the paged KV cache (and
+the PyTorch path that replaces it) against attention over each sequence's keys laid out densely;
+the fused residual add + RMSNorm against the two ops it replaces."""
 
 from __future__ import annotations
 
@@ -85,3 +86,17 @@ def test_native_kernel_refuses_a_context_longer_than_its_table(native_kernels):
     lens[1] = tables.shape[1] * 4 + 1
     with pytest.raises(RuntimeError, match="does not fit its block table"):
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])  # 300 rows run on several threads
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_add_then_rms_norm(rows, dtype, native_kernels):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(2, rows, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype)
+    expected_residual = (x.float() + residual.float()).to(dtype)
+    expected = torch.nn.functional.rms_norm(expected_residual.float(), (576,), weight.float(), 1e-5)
+    out = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)  # updated in place
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
