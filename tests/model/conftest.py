@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from yaie.model import kernels
 
@@ -14,3 +15,10 @@ def native_kernels() -> None:
     if os.environ.get("YAIE_NATIVE_KERNELS") == "0":
         pytest.skip("YAIE_NATIVE_KERNELS=0")
     assert kernels.load(), "the native kernels did not build (see the warning above)"
+
+
+@pytest.fixture
+def pytorch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the model as machines without the native kernels do: on PyTorch ops alone."""
+    monkeypatch.setattr(kernels, "available", lambda device: False)
+    assert not kernels.available(torch.device("cpu"))

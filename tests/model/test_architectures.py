@@ -17,7 +17,6 @@ from yaie.engine.request import Request
 from yaie.engine.scheduler import ScheduledRequest, SchedulerOutput
 from yaie.errors import UnsupportedModelError
 from yaie.model.attention import AttentionMetadata, PrefillSeq
-from yaie.model.layers import RMSNorm
 from yaie.model.loader import load_model
 from yaie.model.runner import ModelRunner
 from yaie.sampling_params import SamplingParams
@@ -29,8 +28,7 @@ BLOCK = 4
 @pytest.mark.parametrize("kernels", ["native", "pytorch"])
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_logits_match_transformers(kind, kernels, tmp_path, request):
-    if kernels == "native":
-        request.getfixturevalue("native_kernels")
+    request.getfixturevalue("native_kernels" if kernels == "native" else "pytorch_only")
     hf = make_tiny_model(kind, tmp_path)
     ours = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
     assert ours.config.tie_word_embeddings == hf.config.tie_word_embeddings
@@ -38,13 +36,6 @@ def test_logits_match_transformers(kind, kernels, tmp_path, request):
 
     # 1. Prefill logits at every prompt position, straight through the model.
     runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, dtype=torch.float32)
-    if kernels == "pytorch":  # what machines without the native kernels run
-        runner.native_decode = False
-        for module in ours.model.modules():
-            if isinstance(module, RMSNorm):
-                module.native = False
-    else:
-        assert runner.native_decode and ours.model.norm.native
     n = len(prompt)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n)])
     with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The native CPU kernels against plain PyTorch: decode attention over the paged KV cache (and
 the PyTorch path that replaces it) against attention over each sequence's keys laid out densely;
-the fused residual add + RMSNorm against the two ops it replaces."""
+the fused residual add + RMSNorm, the in-place RoPE and the KV write against the ops they replace."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from yaie.model import kernels
 from yaie.model.attention import AttentionMetadata, paged_attention
+from yaie.model.layers import RotaryEmbedding, rope_inv_freq
 
 NUM_BLOCKS = 64
 
@@ -55,15 +56,13 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("path", ["native", "pytorch"])
 def test_decode_attention_matches_dense_attention(case, path, request):
-    if path == "native":
-        request.getfixturevalue("native_kernels")
+    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
     q, k_cache, v_cache, tables, lens = make_case(*case, dtype=torch.float32)
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long),
         prefills=[],
         decode_block_tables=tables,
         decode_context_lens=lens,
-        use_native_kernel=path == "native",
     )
     empty = q.new_empty(0, k_cache.shape[2], q.shape[-1])
     out = paged_attention(q, empty, empty, k_cache, v_cache, meta)
@@ -100,3 +99,55 @@ def test_add_rms_norm_matches_add_then_rms_norm(rows, dtype, native_kernels):
     torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)  # updated in place
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def strided_heads(tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, heads, head_dim] as a slice of a wider buffer, like q and k inside the qkv output."""
+    buffer = torch.randn(tokens, heads + 3, head_dim, generator=torch.Generator().manual_seed(tokens))
+    return buffer.to(dtype)[:, 1 : heads + 1]
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 500])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_pytorch_rope(tokens, dtype, native_kernels):
+    rope = RotaryEmbedding(64, 1024, rope_inv_freq(64, 10000.0, None))
+    positions = torch.randint(0, 1024, (tokens,), generator=torch.Generator().manual_seed(1))
+    cos, sin = rope(positions, dtype)
+    x = strided_heads(tokens, 12, 64, dtype)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    expected = torch.cat((x1, x2), dim=-1) * cos.float() + torch.cat((x2, x1), dim=-1) * sin.float()
+    untouched = x.float().clone()
+    out = kernels.apply_rope_(x, cos, sin)
+    assert out.data_ptr() == x.data_ptr()  # in place
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(x.float(), expected, atol=tolerance, rtol=tolerance)
+    assert not torch.equal(x.float(), untouched)
+
+
+def test_write_kv_matches_index_copy(native_kernels):
+    k, v = strided_heads(7, 3, 16, torch.float32), strided_heads(7, 3, 16, torch.float32) + 1
+    k_cache, v_cache = torch.zeros(2, NUM_BLOCKS, 4, 3, 16)
+    slots = torch.tensor([5, 0, 255, 17, 18, 100, 3])
+    kernels.write_kv(k, v, slots, k_cache, v_cache)
+    expected_k, expected_v = torch.zeros(2, NUM_BLOCKS * 4, 3, 16)
+    expected_k.index_copy_(0, slots, k)
+    expected_v.index_copy_(0, slots, v)
+    torch.testing.assert_close(k_cache.view(-1, 3, 16), expected_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.view(-1, 3, 16), expected_v, atol=0, rtol=0)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache(native_kernels):
+    k = torch.zeros(1, 3, 16)
+    k_cache, v_cache = torch.zeros(2, NUM_BLOCKS, 4, 3, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.write_kv(k, k, torch.tensor([NUM_BLOCKS * 4]), k_cache, v_cache)
+
+
+def test_decode_kernel_reads_strided_queries(native_kernels):
+    q, k_cache, v_cache, tables, lens = make_case(4, 9, 3, 64, 16, 300, torch.float32)
+    wide = torch.zeros(4, 15, 64)
+    wide[:, 3:12] = q
+    out = kernels.paged_decode_attention(wide[:, 3:12], k_cache, v_cache, tables, lens, 64**-0.5)
+    torch.testing.assert_close(
+        out.double(), dense_reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=0
+    )

@@ -41,7 +41,6 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None = None  # [decodes] positions in the packed batch; None = all
     decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [decodes]: keys each one attends to
-    use_native_kernel: bool = False  # decode with kernels.paged_decode_attention
 
     @property
     def num_decodes(self) -> int:
@@ -68,8 +67,11 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if kernels.available(k.device):
+        kernels.write_kv(k, v, meta.slot_mapping, k_cache, v_cache)
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
 
@@ -103,10 +105,8 @@ def _decode(
 ) -> torch.Tensor:
     """Attention of one new token per sequence: q [decodes, heads, head_dim] -> the same shape."""
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
-    if meta.use_native_kernel:
-        return kernels.paged_decode_attention(
-            q.contiguous(), k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5
-        )
+    if kernels.available(q.device):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
     kd = _gather(k_cache, tables)  # [decodes, kv_heads, max_blocks * block_size, head_dim]
     vd = _gather(v_cache, tables)
     mask = torch.arange(kd.shape[2], device=q.device) < lens.unsqueeze(1)

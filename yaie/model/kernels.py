@@ -18,7 +18,10 @@ from rich.console import Console
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "rms_norm.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp")
+]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
 # -fopenmp: at::parallel_for is OpenMP inside torch's headers, and runs serially without it;
 # the libgomp it links is the one torch already loaded (same soname), so no second pool.
@@ -27,7 +30,8 @@ _LDFLAGS = ["-fopenmp"]
 
 
 def available(device: torch.device) -> bool:
-    """Whether tensors on `device` can use the kernels (building them on first call)."""
+    """Whether tensors on `device` can use the kernels (building them on first call). The model
+    asks at every use, so one switch (this function) selects the native or the PyTorch path."""
     return device.type == "cpu" and load()
 
 
@@ -72,3 +76,15 @@ def paged_decode_attention(
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place), then return rms_norm(residual) * weight; all [tokens, hidden]."""
     return torch.ops.yaie.add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] in place by RotaryEmbedding's tables; returns x."""
+    return torch.ops.yaie.apply_rope_(x, cos, sin)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """Copy each token's k and v heads [tokens, kv_heads, head_dim] into its cache slot."""
+    torch.ops.yaie.write_kv(k, v, slot_mapping, k_cache, v_cache)

@@ -17,7 +17,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.native = False  # set by the model once the native kernels are known to be there
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -25,7 +24,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add a sublayer's output to the residual stream, then normalise: (normed, new residual).
         The native kernel updates `residual` in place; the PyTorch path makes a new tensor."""
-        if self.native:
+        if kernels.available(x.device):
             return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return self(residual), residual
@@ -69,8 +68,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] by the tables RotaryEmbedding returned."""
+    """Rotate x [tokens, heads, head_dim] by the tables RotaryEmbedding returned. The native
+    kernel rotates x in place, the PyTorch path returns a new tensor: use the result."""
     cos, sin = cos_sin
+    if kernels.available(x.device):
+        return kernels.apply_rope_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 

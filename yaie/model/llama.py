@@ -112,14 +112,12 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack(self) -> None:
-        """Switch to the fast inference paths: every projection to its packed layout, and the
-        residual add + norm to the native kernel where it is built. Call once, after loading."""
-        native = kernels.available(self.embed_tokens.device)
+        """Switch every projection to its fast inference layout; call once, after loading. Also
+        builds the native kernels now (if they can be), rather than in the first step."""
+        kernels.available(self.embed_tokens.device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-            elif isinstance(module, RMSNorm):
-                module.native = native
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

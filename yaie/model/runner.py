@@ -8,7 +8,6 @@ import torch
 
 from yaie.engine.request import Request
 from yaie.engine.scheduler import SchedulerOutput
-from yaie.model import kernels
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.llama import CausalLM
 
@@ -43,8 +42,6 @@ class ModelRunner:
         )  # fmt: skip
         for layer, kv in zip(model.layers, self.kv_cache, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
-        # Decoding reads the cache in place through a native kernel where one could be built.
-        self.native_decode = kernels.available(self.device)
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -109,7 +106,6 @@ class ModelRunner:
             padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
             meta.decode_block_tables = self._tensor(padded)
             meta.decode_context_lens = self._tensor(decode_lens)
-            meta.use_native_kernel = self.native_decode
             if len(decode_rows) != len(input_ids):
                 meta.decode_token_idx = self._tensor(decode_rows)
         return _Inputs(self._tensor(input_ids), self._tensor(positions), meta, logits_rows, prompt_rows)

@@ -127,7 +127,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         std::fill(part, part + item_floats, 0.f);
         continue;
       }
-      attend_split<T>(q_ptr + seq * H * D, k_ptr, v_ptr, tables + seq * s.max_blocks, begin, end,
+      attend_split<T>(q_ptr + seq * q.stride(0), k_ptr, v_ptr, tables + seq * s.max_blocks, begin, end,
                       scale, s, part, part + H * D, part + H * D + H);
     }
   });
@@ -164,7 +164,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], caches [blocks, block, kv_heads, dim]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query's heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
@@ -185,7 +186,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t split_len = s.blocks_per_split * s.block_size;
   s.num_splits = (max_len + split_len - 1) / split_len;
 
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty({s.num_seqs, s.num_heads, s.head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale), s, out);
   });
