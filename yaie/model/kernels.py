@@ -2,7 +2,7 @@
 
 PyTorch's own ops cover everything yaie does; these kernels only do some of it faster. So a
 machine that cannot build them (no compiler, or YAIE_NATIVE_KERNELS=0) runs the PyTorch path,
-with one warning saying why. The build takes ~20 s once; torch caches it under
+with one warning saying why. The build takes 10-20 s once; torch caches it under
 ~/.cache/torch_extensions and rebuilds when the source changes.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ def load() -> bool:
                 is_python_module=False,
                 verbose=False,
             )
-    except (OSError, RuntimeError, ImportError, cpp_extension.subprocess.CalledProcessError) as exc:
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as exc:
         logger.warning("native CPU kernels unavailable, using the PyTorch path (slower): %s", exc)
         return False
     return True
