@@ -7,7 +7,7 @@
 # Env:     PEERS_DIR (default /tmp/peers)   VLLM_VENV (default $PEERS_DIR/vllm-venv)
 #          VLLM_CPU_KVCACHE_SPACE GiB (default 4)   VLLM_CPU_OMP_THREADS_BIND (default 0-1: both cores;
 #          without it vLLM computes on one core)   READY_TIMEOUT_S (default 600)
-# Defaults: --dtype float32 --max-model-len 4096 (bf16 is far slower on this AVX2-only CPU).
+# Defaults: --dtype float32 --max-model-len 4096 (the comparison is fp32 against fp32).
 # The `vllm` console script of vllm-cpu is broken, so the server is started as a module.
 # Writes:  $PEERS_DIR/vllm-PORT.pid and $PEERS_DIR/vllm-PORT.log; prints the PID on stdout.
 # Stop it: benchmarks/peers/stop_peer.sh $PEERS_DIR/vllm-PORT.pid
