@@ -72,3 +72,24 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM"):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kernels", ["native", "pytorch"])
+def test_bfloat16_follows_float32(kernels, tmp_path, request):
+    # bf16 keeps ~3 significant digits, so compare against transformers' fp32 logits loosely,
+    # and demand the same greedy choice at every position. On CPUs with bf16 dot products the
+    # linears run through oneDNN's packed path, elsewhere through F.linear: both are covered.
+    request.getfixturevalue("native_kernels" if kernels == "native" else "pytorch_only")
+    hf = make_tiny_model("llama", tmp_path)
+    ours = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, dtype=torch.bfloat16)
+    prompt = list(range(3, 30))
+    pool = BlockPool(32)
+    request_ = Request("r", prompt, SamplingParams(max_tokens=8))
+    request_.block_table = pool.allocate(-(-(len(prompt) + 8) // BLOCK))
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    logits = runner.execute(SchedulerOutput([ScheduledRequest(request_, len(prompt))], [])).logits[0]
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.05)
+    assert int(logits.argmax()) == int(expected.argmax())

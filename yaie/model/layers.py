@@ -77,12 +77,23 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> t
     return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    """fp32 always; bf16 where the CPU has native bf16 dot products (AVX512-BF16, AMX), which
+    makes bf16 decoding ~1.6x faster than fp32 in the linears instead of slower."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
+
+
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias), with the weight repacked once for the CPU's fastest path.
 
     On these CPUs stock MKL GEMM is 3-4x slower than oneDNN at the few-row shapes of decoding
-    (and no faster at prefill shapes), so after loading, `pack()` reorders fp32 weights into
-    oneDNN's blocked layout and frees the plain copy. Elsewhere (CUDA, bf16) F.linear is used.
+    (and no faster at prefill shapes), so after loading, `pack()` reorders fp32 (and, where the
+    CPU supports it, bf16) weights into oneDNN's blocked layout and frees the plain copy.
+    Elsewhere (CUDA, fp16) F.linear is used.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -92,9 +103,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
 
     def pack(self) -> None:
-        w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        if _onednn_packs(self.weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             self.weight.data = torch.empty(0)  # the packed copy replaces it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
