@@ -1,6 +1,7 @@
 """The native CPU kernels against plain PyTorch: decode attention over the paged KV cache (and
 the PyTorch path that replaces it) against attention over each sequence's keys laid out densely;
-the fused residual add + RMSNorm, the in-place RoPE and the KV write against the ops they replace."""
+the fused residual add + RMSNorm, the in-place RoPE and the KV write against the ops they replace;
+a prompt chunk after cached tokens, both ways it is computed, against textbook attention."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 import torch
 
 from yaie.model import kernels
-from yaie.model.attention import AttentionMetadata, paged_attention
+from yaie.model.attention import (
+    AttentionMetadata,
+    _attend_after_cache,
+    _attend_after_cache_masked,
+    paged_attention,
+)
 from yaie.model.layers import RotaryEmbedding, rope_inv_freq
 
 NUM_BLOCKS = 64
@@ -151,3 +157,26 @@ def test_decode_kernel_reads_strided_queries(native_kernels):
     torch.testing.assert_close(
         out.double(), dense_reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize("attend", [_attend_after_cache, _attend_after_cache_masked])
+@pytest.mark.parametrize("num_cached", [1, 37, 300])
+def test_chunk_after_cache_attends_to_the_cache_and_causally_to_itself(attend, num_cached):
+    gen = torch.Generator().manual_seed(num_cached)
+    n, heads, kv_heads, dim = 23, 6, 2, 32
+    q = torch.randn(1, heads, n, dim, generator=gen)
+    keys, values = torch.randn(2, 1, kv_heads, num_cached + n, dim, generator=gen)
+    out = attend(
+        q,
+        keys[:, :, :num_cached],
+        values[:, :, :num_cached],
+        keys[:, :, num_cached:],
+        values[:, :, num_cached:],
+    )
+    # Query i sits at position num_cached + i and sees keys 0 .. num_cached + i.
+    k64 = keys.double().repeat_interleave(heads // kv_heads, dim=1)
+    v64 = values.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = q.double() @ k64.transpose(-1, -2) / dim**0.5
+    visible = torch.arange(num_cached + n) <= torch.arange(num_cached, num_cached + n).unsqueeze(1)
+    expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v64
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)

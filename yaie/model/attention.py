@@ -27,10 +27,10 @@ class PrefillSeq:
 
     start: int  # first of its tokens in the packed batch
     num_tokens: int
-    # Set when earlier tokens are already cached (chunked prefill, prefix hit): the blocks to read
-    # and a [num_tokens, context_len] mask saying which keys each query may see.
+    # Earlier tokens of the sequence already in the cache (a previous chunk, a prefix hit), and
+    # the blocks that hold them.
+    num_cached: int = 0
     block_table: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,14 +80,13 @@ def paged_attention(
         # A leading batch dimension of 1: with 3-D inputs PyTorch's CPU build falls back to its
         # slow reference attention instead of the flash kernel (4-5x slower at 1k tokens).
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        if seq.block_table is None:  # the whole context is in this batch: plain causal attention
-            ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        if seq.num_cached == 0:  # the whole context is in this batch: plain causal attention
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            context_len = seq.mask.shape[-1]
-            ks = _gather(k_cache, seq.block_table)[:, :context_len].unsqueeze(0)
-            vs = _gather(v_cache, seq.block_table)[:, :context_len].unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=gqa)
+            cached_k = _gather(k_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0)
+            cached_v = _gather(v_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0)
+            o = _attend_after_cache(qs, cached_k, cached_v, ks, vs)
         out[rows] = o[0].transpose(0, 1)
 
     if meta.num_decodes:
@@ -98,6 +97,43 @@ def paged_attention(
         else:
             out[idx] = o
     return out
+
+
+def _attend_after_cache(
+    q: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """A chunk's queries [1, heads, n, dim] over the cached keys (all visible) and the chunk's own
+    (causal). On CPUs the two parts run as separate flash-attention calls, merged by their
+    log-sum-exps:
+
+        keys:     | cached (all visible)  | chunk (causal)  |
+        o = (o_cached * e^lse_cached + o_chunk * e^lse_chunk) / (e^lse_cached + e^lse_chunk)
+
+    One call with an explicit [n, cached + n] mask gives the same result, but the mask stops the
+    kernel from skipping the blocks above the diagonal and is read for every head: 1.4x slower
+    for a 2,048-token chunk after 2,048 cached tokens. Elsewhere that masked call is what runs.
+    """
+    if q.device.type != "cpu":
+        return _attend_after_cache_masked(q, cached_k, cached_v, k, v)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_cached, lse_cached = flash(q, cached_k, cached_v)
+    o_chunk, lse_chunk = flash(q, k, v, is_causal=True)
+    top = torch.maximum(lse_cached, lse_chunk)
+    w_cached, w_chunk = (lse_cached - top).exp().unsqueeze(-1), (lse_chunk - top).exp().unsqueeze(-1)
+    return (o_cached * w_cached + o_chunk * w_chunk) / (w_cached + w_chunk)
+
+
+def _attend_after_cache_masked(
+    q: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """`_attend_after_cache` as one attention call over all keys with an explicit mask."""
+    n, num_cached = q.shape[2], cached_k.shape[2]
+    key_pos = torch.arange(num_cached + n, device=q.device)
+    mask = key_pos <= torch.arange(num_cached, num_cached + n, device=q.device).unsqueeze(1)
+    keys, values = torch.cat((cached_k, k), dim=2), torch.cat((cached_v, v), dim=2)
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def _decode(

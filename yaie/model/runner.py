@@ -111,13 +111,10 @@ class ModelRunner:
         return _Inputs(self._tensor(input_ids), self._tensor(positions), meta, logits_rows, prompt_rows)
 
     def _prefill_with_context(self, start: int, n: int, done: int, table: list[int]) -> PrefillSeq:
-        """A chunk whose earlier tokens are cached: read them through the block table, and let
-        query i (absolute position done + i) see keys 0 .. done + i."""
-        context = done + n
-        blocks = self._tensor(table[: -(-context // self.block_size)])
-        query_pos = torch.arange(done, context, device=self.device).unsqueeze(1)
-        key_pos = torch.arange(context, device=self.device).unsqueeze(0)
-        return PrefillSeq(start, n, block_table=blocks, mask=key_pos <= query_pos)
+        """A chunk whose first `done` tokens are cached: attention reads them through the blocks
+        that hold them."""
+        blocks = self._tensor(table[: -(-done // self.block_size)])
+        return PrefillSeq(start, n, num_cached=done, block_table=blocks)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
