@@ -13,7 +13,7 @@ its flat "slot" is block * block_size + offset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +41,20 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None = None  # [decodes] positions in the packed batch; None = all
     decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [decodes]: keys each one attends to
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_decodes(self) -> int:
         return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
+
+    def decode_mask(self, num_keys: int) -> torch.Tensor:
+        """[decodes, 1, 1, num_keys]: which of the gathered keys each decoding sequence sees. The
+        PyTorch decode path needs it in every layer; it is built once per step."""
+        if self._decode_mask is None:
+            lens = self.decode_context_lens
+            valid = torch.arange(num_keys, device=lens.device) < lens.unsqueeze(1)
+            self._decode_mask = valid.view(len(lens), 1, 1, num_keys)
+        return self._decode_mask
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -145,12 +155,11 @@ def _decode(
         return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
     kd = _gather(k_cache, tables)  # [decodes, kv_heads, max_blocks * block_size, head_dim]
     vd = _gather(v_cache, tables)
-    mask = torch.arange(kd.shape[2], device=q.device) < lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         kd,
         vd,
-        attn_mask=mask.view(len(lens), 1, 1, -1),
+        attn_mask=meta.decode_mask(kd.shape[2]),
         enable_gqa=q.shape[1] != k_cache.shape[2],
     )
     return o.squeeze(2)
