@@ -69,6 +69,10 @@ def plot_throughput(runs: dict[str, dict[str, Any]], out: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
+    save(fig, out)
+
+
+def save(fig: Any, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -104,9 +108,7 @@ def plot_ttft_cdf(runs: dict[str, dict[str, Any]], out: Path, only: list[int] | 
     axes[0][0].set_ylabel("fraction of requests")
     subtitle = describe(runs)
     fig.suptitle("TTFT distribution" + (f" ({subtitle})" if subtitle else ""))
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out)
 
 
 def plot_kv_memory(kv: dict[str, list[list[float]]], out: Path) -> None:
@@ -121,9 +123,7 @@ def plot_kv_memory(kv: dict[str, list[list[float]]], out: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out)
 
 
 def load_kv(path: Path) -> dict[str, list[list[float]]]:

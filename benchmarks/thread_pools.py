@@ -59,8 +59,14 @@ def measure_case(case: str, batch_size: int, max_tokens: int, repeats: int) -> l
         thread.start()
         thread.join()
 
-    (load if case in ("main", "cross-thread") else lambda: on_worker(load))()
-    (run if case == "main" else lambda: on_worker(run))()
+    if case == "same-thread":
+        on_worker(load)
+    else:
+        load()
+    if case == "main":
+        run()
+    else:
+        on_worker(run)
     return holder["times"]
 
 

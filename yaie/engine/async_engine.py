@@ -98,6 +98,8 @@ class AsyncEngine:
     returns once it has, and raises what it raised.
     """
 
+    engine: Engine  # set by the engine thread, before the constructor returns
+
     def __init__(self, make_engine: Callable[[], Engine]) -> None:
         self._wakeup = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()  # guarded by _wakeup
