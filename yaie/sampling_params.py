@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from yaie.errors import InvalidRequestError
@@ -43,6 +44,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def ending_token_ids(self, eos_token_ids: Collection[int]) -> set[int]:
+        """The one stop rule for tokens: these ids end a sequence once it has `min_tokens` output
+        tokens (the engine stops on them), and until then they may not be sampled (the sampler
+        bans them). With `ignore_eos`, EOS is an ordinary token."""
+        return set(self.stop_token_ids) if self.ignore_eos else {*self.stop_token_ids, *eos_token_ids}
 
     def validate(self) -> None:
         def bad(param: str, message: str) -> InvalidRequestError:

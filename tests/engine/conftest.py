@@ -7,7 +7,7 @@ import pytest
 
 from yaie import LLM
 
-REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "hf_greedy.json"
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "hf_greedy.json"
 
 
 @pytest.fixture(scope="session")

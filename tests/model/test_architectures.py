@@ -13,12 +13,12 @@ import torch
 from tiny_models import ARCHITECTURES, make_tiny_model
 
 from yaie.cache.block_pool import BlockPool
-from yaie.engine.request import Request
-from yaie.engine.scheduler import ScheduledRequest, SchedulerOutput
+from yaie.engine.sequence import Sequence
+from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
 from yaie.errors import UnsupportedModelError
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.loader import load_model
-from yaie.model.runner import ModelRunner
+from yaie.engine.model_runner import ModelRunner
 from yaie.sampling_params import SamplingParams
 
 ATOL = 1e-4
@@ -45,12 +45,12 @@ def test_logits_match_transformers(kind, kernels, tmp_path, request):
 
     # 2. The same prompt in two chunks through the paged cache, then 16 decode steps.
     pool = BlockPool(32)
-    request = Request("r", prompt, SamplingParams(max_tokens=16))
+    request = Sequence("r", prompt, SamplingParams(max_tokens=16))
     tokens = list(prompt)
     for step, chunk in enumerate([5, n - 5] + [1] * 16):
         needed = -(-(request.num_computed_tokens + chunk) // BLOCK) - len(request.block_table)
         request.block_table += pool.allocate(max(0, needed))
-        item = ScheduledRequest(request, chunk)
+        item = ScheduledSequence(request, chunk)
         samples = item.samples
         logits = runner.execute(SchedulerOutput([item], [])).logits
         request.num_computed_tokens += chunk
@@ -85,11 +85,11 @@ def test_bfloat16_follows_float32(kernels, tmp_path, request):
     runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, dtype=torch.bfloat16)
     prompt = list(range(3, 30))
     pool = BlockPool(32)
-    request_ = Request("r", prompt, SamplingParams(max_tokens=8))
+    request_ = Sequence("r", prompt, SamplingParams(max_tokens=8))
     request_.block_table = pool.allocate(-(-(len(prompt) + 8) // BLOCK))
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0, -1]
-    logits = runner.execute(SchedulerOutput([ScheduledRequest(request_, len(prompt))], [])).logits[0]
+    logits = runner.execute(SchedulerOutput([ScheduledSequence(request_, len(prompt))], [])).logits[0]
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.05)
     assert int(logits.argmax()) == int(expected.argmax())

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
-from yaie.engine.request import Request, RequestStatus
+from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.engine.scheduler import Scheduler
 from yaie.sampling_params import SamplingParams
 
 BLOCK = 4
 
 
-def make_request(name: str, prompt_len: int, first_token: int = 0) -> Request:
-    return Request(name, list(range(first_token, first_token + prompt_len)), SamplingParams(max_tokens=100))
+def make_seq(name: str, prompt_len: int, first_token: int = 0) -> Sequence:
+    return Sequence(name, list(range(first_token, first_token + prompt_len)), SamplingParams(max_tokens=100))
 
 
 def make_scheduler(
@@ -24,13 +24,13 @@ def make_scheduler(
 
 
 def run_step(scheduler: Scheduler, new_token: int = 7) -> dict[str, int]:
-    """schedule + update, appending a token to every request that reached its end."""
+    """schedule + update, appending a token to every seq that reached its end."""
     out = scheduler.schedule()
-    sampling = [s.request for s in out.scheduled if s.samples]
+    sampling = [s.seq for s in out.scheduled if s.samples]
     scheduler.update(out)
-    for request in sampling:
-        request.append_token(new_token)
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    for seq in sampling:
+        seq.append_token(new_token)
+    return {s.seq.seq_id: s.num_new_tokens for s in out.scheduled}
 
 
 def held_blocks(scheduler: Scheduler) -> int:
@@ -39,8 +39,8 @@ def held_blocks(scheduler: Scheduler) -> int:
 
 def test_admission_prefills_whole_prompts_within_budget():
     s = make_scheduler(budget=64)
-    s.add(make_request("a", 10))
-    s.add(make_request("b", 20))
+    s.add(make_seq("a", 10))
+    s.add(make_seq("b", 20))
     assert run_step(s) == {"a": 10, "b": 20}
     assert [len(r.block_table) for r in s.running] == [3, 5]
     assert run_step(s) == {"a": 1, "b": 1}  # both decode together
@@ -48,7 +48,7 @@ def test_admission_prefills_whole_prompts_within_budget():
 
 def test_token_budget_chunks_long_prompts():
     s = make_scheduler(budget=16)
-    s.add(make_request("long", 40))
+    s.add(make_seq("long", 40))
     assert run_step(s) == {"long": 16}
     assert s.running[0].num_computed_tokens == 16 and s.running[0].num_output_tokens == 0
     assert run_step(s) == {"long": 16}
@@ -58,63 +58,63 @@ def test_token_budget_chunks_long_prompts():
 
 def test_decodes_are_scheduled_before_new_prefills_share_the_budget():
     s = make_scheduler(budget=10)
-    s.add(make_request("a", 4))
+    s.add(make_seq("a", 4))
     run_step(s)
-    s.add(make_request("b", 30))
+    s.add(make_seq("b", 30))
     assert run_step(s) == {"a": 1, "b": 9}
 
 
 def test_max_num_seqs_limits_running_requests():
     s = make_scheduler(max_seqs=2)
     for name in "abc":
-        s.add(make_request(name, 4))
+        s.add(make_seq(name, 4))
     assert set(run_step(s)) == {"a", "b"}
-    assert [r.request_id for r in s.waiting] == ["c"]
-    s.finish(s.running[0], RequestStatus.FINISHED_STOPPED)
+    assert [r.seq_id for r in s.waiting] == ["c"]
+    s.finish(s.running[0], SequenceStatus.FINISHED_STOPPED)
     assert set(run_step(s)) == {"b", "c"}
 
 
 def test_admission_waits_for_blocks_instead_of_preempting():
     s = make_scheduler(num_blocks=6)
-    s.add(make_request("a", 16))  # 4 blocks
-    s.add(make_request("b", 8))  # 2 more would leave no watermark
+    s.add(make_seq("a", 16))  # 4 blocks
+    s.add(make_seq("b", 8))  # 2 more would leave no watermark
     assert run_step(s) == {"a": 16}
-    assert s.waiting[0].request_id == "b" and s.waiting[0].block_table == []
+    assert s.waiting[0].seq_id == "b" and s.waiting[0].block_table == []
 
 
 def test_preemption_frees_the_newest_request_and_requeues_it_first():
     s = make_scheduler(num_blocks=5, budget=64)
-    s.add(make_request("old", 8))  # 2 blocks
-    s.add(make_request("new", 7))  # 2 blocks, room for one more token in its last block
+    s.add(make_seq("old", 8))  # 2 blocks
+    s.add(make_seq("new", 7))  # 2 blocks, room for one more token in its last block
     run_step(s)
     assert s.pool.num_free == 1
     run_step(s)  # old: 9 tokens -> third block; new: 8 tokens, fits
     assert s.pool.num_free == 0
     out = s.schedule()  # old needs nothing new; new (9 tokens) needs a block: preempts itself
-    assert [p.request_id for p in out.preempted] == ["new"]
-    assert [x.request.request_id for x in out.scheduled] == ["old"]
+    assert [p.seq_id for p in out.preempted] == ["new"]
+    assert [x.seq.seq_id for x in out.scheduled] == ["old"]
     victim = s.waiting[0]
-    assert victim.request_id == "new" and victim.block_table == [] and victim.num_computed_tokens == 0
+    assert victim.seq_id == "new" and victim.block_table == [] and victim.num_computed_tokens == 0
     assert victim.num_output_tokens == 2 and s.num_preemptions == 1  # generated tokens are kept
     assert s.pool.num_free == 2
 
 
 def test_preempted_request_resumes_by_recomputing_prompt_and_output():
     s = make_scheduler(num_blocks=5, budget=64)
-    s.add(make_request("old", 8))
-    s.add(make_request("new", 7))
+    s.add(make_seq("old", 8))
+    s.add(make_seq("new", 7))
     for _ in range(3):
         run_step(s)
     while s.waiting:
-        s.finish(s.running[0], RequestStatus.FINISHED_STOPPED)  # make room
+        s.finish(s.running[0], SequenceStatus.FINISHED_STOPPED)  # make room
         steps = run_step(s)
     assert steps == {"new": 9}  # 7 prompt + 2 generated, recomputed in one prefill
 
 
 def test_oldest_request_always_progresses_under_heavy_oversubscription():
     s = make_scheduler(num_blocks=8, max_seqs=8, budget=32)
-    requests = [make_request(f"r{i}", 6, first_token=10 * i) for i in range(6)]
-    for r in requests:
+    seqs = [make_seq(f"r{i}", 6, first_token=10 * i) for i in range(6)]
+    for r in seqs:
         s.add(r)
     finished = 0
     for _ in range(500):
@@ -123,7 +123,7 @@ def test_oldest_request_always_progresses_under_heavy_oversubscription():
         run_step(s)
         for r in list(s.running):
             if r.num_output_tokens >= 10:
-                s.finish(r, RequestStatus.FINISHED_LENGTH)
+                s.finish(r, SequenceStatus.FINISHED_LENGTH)
                 finished += 1
         assert s.pool.num_used == held_blocks(s)  # no leak, nothing held twice
     assert finished == 6 and s.num_preemptions > 0
@@ -132,34 +132,34 @@ def test_oldest_request_always_progresses_under_heavy_oversubscription():
 
 def test_finish_and_abort_release_blocks():
     s = make_scheduler()
-    r = make_request("a", 10)
+    r = make_seq("a", 10)
     s.add(r)
     run_step(s)
-    s.finish(r, RequestStatus.FINISHED_ABORTED)
-    assert s.pool.num_free == 64 and not s.has_unfinished() and r.status is RequestStatus.FINISHED_ABORTED
+    s.finish(r, SequenceStatus.FINISHED_ABORTED)
+    assert s.pool.num_free == 64 and not s.has_unfinished() and r.status is SequenceStatus.FINISHED_ABORTED
 
 
 def test_prefix_cache_hit_skips_computed_blocks_and_leaves_the_last_token():
     s = make_scheduler(cache=True)
-    first = make_request("a", 12)
+    first = make_seq("a", 12)
     s.add(first)
     run_step(s)
-    s.finish(first, RequestStatus.FINISHED_STOPPED)
+    s.finish(first, SequenceStatus.FINISHED_STOPPED)
     assert s.prefix_cache.num_cached_blocks == 3
-    again = make_request("b", 12)  # same prompt: the last token must still be computed
+    again = make_seq("b", 12)  # same prompt: the last token must still be computed
     s.add(again)
     assert run_step(s) == {"b": 4}
     assert again.num_cached_tokens == 8
-    longer = make_request("c", 14)
+    longer = make_seq("c", 14)
     s.add(longer)
     assert run_step(s)["c"] == 2 and longer.num_cached_tokens == 12
 
 
 def test_prompt_is_shared_while_its_first_request_still_runs():
     s = make_scheduler(cache=True)
-    s.add(make_request("a", 9))
+    s.add(make_seq("a", 9))
     run_step(s)  # prompt done: its two full blocks are in the tree already
-    follower = make_request("b", 9)
+    follower = make_seq("b", 9)
     s.add(follower)
     assert run_step(s) == {"a": 1, "b": 1}
     assert follower.block_table[:2] == s.running[0].block_table[:2]
@@ -167,12 +167,12 @@ def test_prompt_is_shared_while_its_first_request_still_runs():
 
 def test_cached_blocks_are_evicted_before_anyone_is_preempted():
     s = make_scheduler(num_blocks=6, cache=True)
-    done = make_request("done", 16, first_token=100)
+    done = make_seq("done", 16, first_token=100)
     s.add(done)
     run_step(s)
-    s.finish(done, RequestStatus.FINISHED_STOPPED)
+    s.finish(done, SequenceStatus.FINISHED_STOPPED)
     assert s.pool.num_free == 2  # four blocks stay cached
-    s.add(make_request("next", 16))
+    s.add(make_seq("next", 16))
     assert run_step(s) == {"next": 16}
     # Two of the old blocks were evicted to make room; the new prompt's four are now cached too.
     assert s.num_preemptions == 0 and s.prefix_cache.num_cached_blocks == 2 + 4

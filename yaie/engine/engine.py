@@ -21,11 +21,11 @@ from jinja2 import TemplateError
 from yaie.cache.block_pool import BlockPool
 from yaie.config import EngineConfig
 from yaie.engine.detokenizer import IncrementalDetokenizer
-from yaie.engine.request import Request, RequestStatus
-from yaie.engine.scheduler import ScheduledRequest, Scheduler
+from yaie.engine.sequence import Sequence, SequenceStatus
+from yaie.engine.scheduler import ScheduledSequence, Scheduler
 from yaie.errors import InvalidRequestError
 from yaie.model.loader import load_model
-from yaie.model.runner import ModelRunner
+from yaie.engine.model_runner import ModelRunner
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import Sampler, SamplingSeq, prompt_logprobs
 from yaie.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ class _Choice:
     """One of a request's n completions: a scheduler Request plus its text state."""
 
     index: int
-    request: Request
+    request: Sequence
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     text: str = ""
@@ -142,7 +142,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
-        self._choice_of: dict[Request, tuple[_Group, _Choice]] = {}
+        self._choice_of: dict[Sequence, tuple[_Group, _Choice]] = {}
         self._ids = itertools.count()
         self._forking: list[_Group] = []  # groups with choices still waiting for the shared prompt
         self.num_computed_prompt_tokens = 0
@@ -188,7 +188,7 @@ class Engine:
             if params.seed is not None:
                 # Any integer is a valid seed: fold it into the 64 bits a generator takes.
                 generator = torch.Generator(self.device).manual_seed((params.seed + index) % 2**64)
-            request = Request(f"{request_id}-{index}", token_ids, params)
+            request = Sequence(f"{request_id}-{index}", token_ids, params)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             choice = _Choice(index, request, detok, generator)
             if params.logprobs is not None:
@@ -248,7 +248,7 @@ class Engine:
             self._forking.remove(group)
         for choice in group.choices:
             if choice.finish_reason is None:
-                self.scheduler.finish(choice.request, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish(choice.request, SequenceStatus.FINISHED_ABORTED)
             del self._choice_of[choice.request]
         return True
 
@@ -275,7 +275,7 @@ class Engine:
         sampling = [item for item in batch.scheduled if item.samples]
         self.num_computed_prompt_tokens += sum(
             max(
-                0, min(item.request.num_prompt_tokens - item.request.num_computed_tokens, item.num_new_tokens)
+                0, min(item.seq.num_prompt_tokens - item.seq.num_computed_tokens, item.num_new_tokens)
             )
             for item in batch.scheduled
         )
@@ -293,7 +293,7 @@ class Engine:
         sampled = self.sampler(result.logits, seqs)
 
         for row, item in enumerate(sampling):
-            group, choice = self._choice_of[item.request]
+            group, choice = self._choice_of[item.seq]
             logprob = None
             if choice.logprobs is not None and sampled.logprobs is not None:
                 top = sampled.top_logprobs[row] if sampled.top_logprobs else []  # already cut to this row's k
@@ -318,8 +318,8 @@ class Engine:
                 group.pending.clear()
                 self._forking.remove(group)
 
-    def _sampling_seq(self, item: ScheduledRequest) -> SamplingSeq:
-        request = item.request
+    def _sampling_seq(self, item: ScheduledSequence) -> SamplingSeq:
+        request = item.seq
         _, choice = self._choice_of[request]
         return SamplingSeq(
             request.sampling_params, request.prompt_token_ids, request.output_token_ids, choice.generator
@@ -333,11 +333,11 @@ class Engine:
         if choice.logprobs is not None and logprob is not None:
             choice.logprobs.append(logprob)
         may_stop = request.num_output_tokens >= params.min_tokens
-        status: RequestStatus | None = None
+        status: SequenceStatus | None = None
         if may_stop and (
             (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
         ):
-            status = RequestStatus.FINISHED_STOPPED
+            status = SequenceStatus.FINISHED_STOPPED
             # As in vLLM: stop_reason names a stop token, and stays None for EOS.
             request.stop_reason = None if token_id in self.eos_token_ids else token_id
             if request.stop_reason is not None and params.include_stop_str_in_output:
@@ -347,14 +347,14 @@ class Engine:
             if delta:
                 choice.text += delta
                 if may_stop and params.stop and self._find_stop_string(choice, params, len(delta)):
-                    status = RequestStatus.FINISHED_STOPPED
+                    status = SequenceStatus.FINISHED_STOPPED
         if status is None and (
             (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
             or request.num_tokens >= self.max_model_len
         ):
-            status = RequestStatus.FINISHED_LENGTH
+            status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
-            if status is RequestStatus.FINISHED_LENGTH:
+            if status is SequenceStatus.FINISHED_LENGTH:
                 choice.text += choice.detokenizer.flush()
             choice.finish_reason = status.value
             self.scheduler.finish(request, status)

@@ -1,4 +1,4 @@
-"""One generation request as the scheduler sees it: token ids and KV bookkeeping, no tensors."""
+"""One generation sequence as the scheduler sees it: token ids and KV bookkeeping, no tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from yaie.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
@@ -18,28 +18,28 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
         )
 
 
-class Request:
+class Sequence:
     def __init__(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.seq_id = seq_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         # Prompt followed by every generated token: what the KV cache must eventually hold.
         self.all_token_ids = list(prompt_token_ids)
-        # KV bookkeeping: the blocks this request holds (in order) and how many of its tokens
+        # KV bookkeeping: the blocks this sequence holds (in order) and how many of its tokens
         # already have their K/V written there.
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -69,6 +69,6 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"Sequence({self.seq_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yaie.engine.request import Request
+from yaie.engine.sequence import Sequence
 from yaie.engine.scheduler import SchedulerOutput
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.llama import CausalLM
@@ -14,10 +14,10 @@ from yaie.model.llama import CausalLM
 
 @dataclass
 class RunnerOutput:
-    logits: torch.Tensor  # [requests that sample this step, vocab], in batch order
-    # For requests that want prompt logprobs: (request, first target position, logits) where
+    logits: torch.Tensor  # [sequences that sample this step, vocab], in batch order
+    # For sequences that want prompt logprobs: (sequence, first target position, logits) where
     # logits row i is the prediction of prompt token `first target position + i`.
-    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -25,8 +25,8 @@ class _Inputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: list[int]  # the last row of each request that samples
-    prompt_rows: list[tuple[Request, int, int, int]]  # (request, first target, first row, rows)
+    logits_rows: list[int]  # the last row of each sequence that samples
+    prompt_rows: list[tuple[Sequence, int, int, int]]  # (sequence, first target, first row, rows)
 
 
 class ModelRunner:
@@ -61,8 +61,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         sampled, rest = logits[: len(inputs.logits_rows)], logits[len(inputs.logits_rows) :]
         prompt_logits = []
-        for request, first_target, _, count in inputs.prompt_rows:
-            prompt_logits.append((request, first_target, rest[:count]))
+        for seq, first_target, _, count in inputs.prompt_rows:
+            prompt_logits.append((seq, first_target, rest[:count]))
             rest = rest[count:]
         return RunnerOutput(sampled, prompt_logits)
 
@@ -76,12 +76,12 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         logits_rows: list[int] = []
-        prompt_rows: list[tuple[Request, int, int, int]] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []
         for item in batch.scheduled:
-            request, n = item.request, item.num_new_tokens
-            done, table = request.num_computed_tokens, request.block_table
+            seq, n = item.seq, item.num_new_tokens
+            done, table = seq.num_computed_tokens, seq.block_table
             start = len(input_ids)
-            input_ids.extend(request.all_token_ids[done : done + n])
+            input_ids.extend(seq.all_token_ids[done : done + n])
             positions.extend(range(done, done + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(done, done + n))
             if n == 1 and done > 0:
@@ -95,10 +95,10 @@ class ModelRunner:
             if item.samples:
                 logits_rows.append(start + n - 1)
             # Row p predicts token p + 1; prompt logprobs want those predictions inside the prompt.
-            wants_prompt = request.sampling_params.prompt_logprobs is not None
-            last = min(done + n, request.num_prompt_tokens - 1)
+            wants_prompt = seq.sampling_params.prompt_logprobs is not None
+            last = min(done + n, seq.num_prompt_tokens - 1)
             if wants_prompt and done < last:
-                prompt_rows.append((request, done + 1, start, last - done))
+                prompt_rows.append((seq, done + 1, start, last - done))
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
         if decode_rows:
