@@ -44,3 +44,21 @@ def test_double_free_and_sharing_a_free_block_are_errors():
 def test_empty_pool_is_rejected():
     with pytest.raises(ValueError):
         BlockPool(0)
+
+
+def test_blocks_held_by_the_cache_alone_are_counted_apart() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)  # a sequence holds them
+    pool.incref(blocks, by_cache=True)  # the prefix cache adopts them
+    assert pool.num_cached_only == 0
+    pool.free(blocks)  # the sequence finishes: only the cache holds them now
+    assert (pool.num_used, pool.num_cached_only) == (2, 2)
+    pool.incref(blocks[:1])  # a new sequence matches the first one
+    assert pool.num_cached_only == 1
+    pool.free(blocks, by_cache=True)  # eviction drops the cache's references
+    assert (pool.num_used, pool.num_cached_only) == (1, 0)
+    with pytest.raises(ValueError, match="not held by the prefix cache"):
+        pool.free(blocks[:1], by_cache=True)
+    with pytest.raises(ValueError, match="already held by the prefix cache"):
+        pool.incref(blocks[:1], by_cache=True)
+        pool.incref(blocks[:1], by_cache=True)

@@ -443,6 +443,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         held = set(held_by_requests) | tree
         assert self.pool.num_free + len(held) == SM_POOL
         assert self.cache.num_cached_blocks == len(tree)
+        # The pool's running count of cache-only blocks (the KV metrics' "cached") agrees.
+        cache_only = [b for b in tree if b not in held_by_requests]
+        assert self.pool.num_cached_only == len(cache_only)
 
     @invariant()
     def tree_is_a_valid_radix_tree(self) -> None:

@@ -146,7 +146,7 @@ class RadixCache:
             if child is None:
                 new_blocks = list(block_ids[pos:n_blocks])
                 self._check_adoptable(new_blocks)
-                self.pool.incref(new_blocks)
+                self.pool.incref(new_blocks, by_cache=True)
                 self._cached.update(new_blocks)
                 leaf = _Node(tuple(token_ids[pos * bs : n_blocks * bs]), new_blocks, node, self._clock)
                 node.children[key] = leaf
@@ -180,7 +180,7 @@ class RadixCache:
             k = self._count_tree_only_tail(blocks, num_blocks - freed)
             if k:
                 victims = blocks[len(blocks) - k :]
-                self.pool.free(victims)  # each had ref count 1, so each goes to the free list
+                self.pool.free(victims, by_cache=True)  # each had ref count 1, so each goes to the free list
                 self._cached.difference_update(victims)
                 freed += k
                 if k == len(blocks):
@@ -199,7 +199,7 @@ class RadixCache:
         """Drop every tree reference; blocks that requests still hold stay held."""
         for node in self._post_order():
             if node is not self._root:
-                self.pool.free(node.blocks)
+                self.pool.free(node.blocks, by_cache=True)
         self._root = _Node((), [], None, 0)
         self._cached.clear()
         self._num_nodes = 0

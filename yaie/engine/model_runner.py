@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yaie.engine.sequence import Sequence
 from yaie.engine.scheduler import SchedulerOutput
+from yaie.engine.sequence import Sequence
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.llama import CausalLM
 
@@ -52,6 +52,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Run one forward over every scheduled token and project the rows someone needs."""
+        if not batch.scheduled:  # nothing could be admitted this step
+            return RunnerOutput(torch.empty(0, self.model.config.vocab_size, device=self.device))
         inputs = self._prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         # The LM head is the costliest matmul of a decode step: run it only on wanted rows.

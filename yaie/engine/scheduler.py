@@ -10,13 +10,18 @@ prompt plus what it has generated so far. The oldest sequence therefore always m
 which is why this never deadlocks, and since the pool is never asked for more than it has, it
 never runs out.
 
+A request with n > 1 choices arrives as n sequences with the same prompt. Only the first is
+queued; its siblings wait until it has computed the prompt and then share its KV blocks, so the
+prompt is computed once, not n times.
+
 Pure Python on purpose: no torch here, so every policy is unit-tested in milliseconds.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from yaie.cache.block_pool import BlockPool
@@ -29,12 +34,13 @@ if TYPE_CHECKING:
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int  # tokens whose K/V this step computes, from sequence.num_computed_tokens on
+    num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on
+    # Whether this step reaches the sequence's last known token, so a new one is sampled.
+    # Fixed when scheduled: the step itself moves the counts it is computed from.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the sequence's last known token, so a new one is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -45,6 +51,11 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that sample a token this step: one logits row each, in this order."""
+        return [s.seq for s in self.scheduled if s.samples]
 
 
 class Scheduler:
@@ -64,44 +75,39 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (not cache hits)
+        # n > 1: siblings waiting for the first choice's prompt (see `add`), by that choice.
+        self._siblings: dict[Sequence, list[Sequence]] = {}
         # Keep a few blocks free when admitting, so that admitting a sequence does not force a
         # preemption on the very next decode step.
         self.watermark_blocks = max(1, block_pool.num_blocks // 100)
 
     # -- queue management -------------------------------------------------------------------
 
-    def add(self, seq: Sequence, share_prefix_of: Sequence | None = None) -> None:
-        """Queue a sequence. `share_prefix_of` names a running sequence with the same prompt (a
-        sibling of an n > 1 sequence): the new one takes references on its computed prompt blocks
-        instead of computing them again. The last prompt token is always recomputed, so the
-        sequence gets logits of its own to sample from."""
+    def add(self, seq: Sequence, siblings: Iterable[Sequence] = ()) -> None:
+        """Queue a sequence. `siblings`, the other choices of the same request (same prompt),
+        wait until `seq` has computed the prompt, then take references on its prompt blocks
+        instead of computing them again."""
         seq.status = SequenceStatus.WAITING
-        source = share_prefix_of
-        if source is None or not source.block_table:
-            self.waiting.append(seq)
-            return
-        num_blocks = min(source.num_computed_tokens, seq.num_tokens - 1) // self.block_size
-        shared = source.block_table[:num_blocks]
-        self.pool.incref(shared)
-        seq.block_table = list(shared)
-        seq.num_computed_tokens = num_blocks * self.block_size
-        # A waiting sequence that holds blocks must not queue behind one that cannot be admitted
-        # until those very blocks are freed. It arrived with its group anyway: put it first,
-        # after the other block-holding sequences.
-        position = 0
-        while position < len(self.waiting) and self.waiting[position].block_table:
-            position += 1
-        self.waiting.insert(position, seq)
+        self.waiting.append(seq)
+        if siblings:
+            self._siblings[seq] = list(siblings)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Take a sequence out of the queues for good and release its blocks."""
+        """Take a sequence out of the queues for good and release its blocks (an abort, or a
+        stop found outside `update`)."""
+        self._release_siblings(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:  # a sibling still waiting for its source's prompt
+            for siblings in self._siblings.values():
+                if seq in siblings:
+                    siblings.remove(seq)
         seq.status = status
         self._release_blocks(seq)
 
@@ -147,15 +153,45 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def update(self, output: SchedulerOutput) -> None:
-        """Record that the scheduled tokens' K/V are now in the cache."""
+        """After the step: record that the scheduled tokens' K/V are now in the cache, hand
+        finished prompts to the prefix cache and to waiting siblings, and release the sequences
+        the step finished (their status was set when their new token was appended)."""
         for item in output.scheduled:
             seq = item.seq
-            was_in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens
+            prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
+            self.num_computed_prompt_tokens += max(0, min(prompt_left, item.num_new_tokens))
             seq.num_computed_tokens += item.num_new_tokens
             # Share a finished prompt right away, so sequences arriving with the same prefix
             # while this one is still generating do not compute it again.
-            if was_in_prompt and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if prompt_left > 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._cache_computed_blocks(seq)
+                self._release_siblings(seq)
+        for item in output.scheduled:
+            if item.seq.status.finished and item.seq in self.running:
+                self.running.remove(item.seq)
+                self._release_siblings(item.seq)
+                self._release_blocks(item.seq)
+
+    def _release_siblings(self, source: Sequence) -> None:
+        """Queue the siblings waiting for `source`'s prompt, sharing its computed blocks. The
+        last prompt token is always recomputed, so each gets logits of its own to sample from."""
+        for seq in self._siblings.pop(source, []):
+            seq.status = SequenceStatus.WAITING
+            num_blocks = min(source.num_computed_tokens, seq.num_tokens - 1) // self.block_size
+            if num_blocks == 0:
+                self.waiting.append(seq)
+                continue
+            shared = source.block_table[:num_blocks]
+            self.pool.incref(shared)
+            seq.block_table = list(shared)
+            seq.num_computed_tokens = num_blocks * self.block_size
+            # A waiting sequence that holds blocks must not queue behind one that cannot be
+            # admitted until those very blocks are freed: put it first, after the other
+            # block-holding sequences.
+            position = 0
+            while position < len(self.waiting) and self.waiting[position].block_table:
+                position += 1
+            self.waiting.insert(position, seq)
 
     # -- blocks -----------------------------------------------------------------------------
 

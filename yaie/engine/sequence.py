@@ -1,9 +1,10 @@
-"""One generation sequence as the scheduler sees it: token ids and KV bookkeeping, no tensors."""
+"""One sequence: one of a request's n choices, as the scheduler runs it. Token ids and KV
+bookkeeping only, no tensors, so the scheduler that moves sequences around stays pure Python."""
 
 from __future__ import annotations
 
 import enum
-import time
+from typing import Any
 
 from yaie.sampling_params import SamplingParams
 
@@ -30,12 +31,14 @@ class Sequence:
         seq_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        arrival_time: float | None = None,
+        request_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.seq_id = seq_id
+        self.request_id = seq_id if request_id is None else request_id  # the Request it belongs to
+        self.index = index  # which of the request's n choices it is
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         # Prompt followed by every generated token: what the KV cache must eventually hold.
         self.all_token_ids = list(prompt_token_ids)
@@ -47,6 +50,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # A torch.Generator for a seeded choice (set by the engine; the sampler draws from it).
+        # Typed loosely so that this module, and the scheduler, never import torch.
+        self.generator: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

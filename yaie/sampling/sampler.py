@@ -511,6 +511,25 @@ class Sampler:
                 output.top_logprobs[row] = alternatives
         return output
 
+    # Interim bridge to the staged interface (prepare + sample) the engine now calls.
+    def prepare(self, seqs: Sequence, device: torch.device) -> list[SamplingSeq]:
+        return [
+            SamplingSeq(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in seqs
+        ]
+
+    def sample(self, logits: torch.Tensor, batch: list[SamplingSeq]) -> SamplerOutput:
+        if not batch:
+            return SamplerOutput([])
+        out = self(logits, batch)
+        if out.logprobs is not None and out.top_logprobs is not None:
+            out.logprobs = [  # type: ignore[assignment]
+                TokenLogprob(t, lp, top) if batch[i].params.logprobs is not None else None
+                for i, (t, lp, top) in enumerate(
+                    zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
+                )
+            ]
+        return out
+
     def _full_row_weights(self, work: torch.Tensor) -> torch.Tensor:
         weights = self._workspace.get("weights", work, work.dtype)
         return _exp_weights(work, work.amax(dim=-1, keepdim=True), out=weights)
