@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
-from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.engine.scheduler import Scheduler
+from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.sampling_params import SamplingParams
 
 BLOCK = 4
