@@ -673,6 +673,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if not console.is_terminal:
+        console.width = max(console.width, 150)  # the table is wide; keep it whole in logs and pipes
     table = Table(title=f"simulated: {len(traffic.requests)} requests, {settings.num_kv_blocks:,} KV blocks")
     for header in (
         "scenario",

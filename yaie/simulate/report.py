@@ -67,7 +67,7 @@ def plot(results: list[SimulationResult], path: Path) -> None:
         kv_axes.plot(times, shares, label=result.scenario, linewidth=0.8)
     ttft_axes.set(xlabel="time to first token (s)", ylabel="share of requests", title="TTFT CDF")
     e2e_axes.set(xlabel="end-to-end latency (s)", ylabel="share of requests", title="Latency CDF")
-    kv_axes.set(xlabel="simulated time (s)", ylabel="KV blocks in use (%)", title="KV cache use")
+    kv_axes.set(xlabel="simulated time (s)", ylabel="KV blocks held, prefix cache's too (%)", title="KV use")
     for axes in (ttft_axes, e2e_axes, kv_axes):
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
