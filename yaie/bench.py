@@ -490,7 +490,7 @@ def fit_cost_model(config: EngineConfig) -> tuple[CostModel, float]:
     from yaie.simulate.cost_model import CostModel  # yaie.simulate reuses this module's percentile
 
     engine = Engine(config)
-    budget = min(config.max_num_batched_tokens, engine.max_model_len - 1)
+    budget = min(config.max_num_batched_tokens, engine.max_model_len - FIT_DECODE_STEPS)
     _run_timed(engine, [min(16, budget)], 4, [], [])  # warm-up: first-call costs are not step costs
     shapes: list[StepShape] = []
     seconds: list[float] = []
