@@ -1,10 +1,16 @@
 """yaie: Yet Another Inference Engine."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from yaie.config import EngineConfig
 from yaie.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
-from yaie.llm import LLM
 from yaie.outputs import CompletionOutput, RequestOutput
 from yaie.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from yaie.llm import LLM
 
 __version__ = "0.1.0"
 
@@ -19,3 +25,13 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM imports torch; the torch-free parts (the scheduler, `yaie simulate`, `yaie plan`) must
+    # be importable without paying for it, so it is imported on first use.
+    if name == "LLM":
+        from yaie.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'yaie' has no attribute {name!r}")

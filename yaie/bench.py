@@ -30,6 +30,10 @@ The prompt sets are built deterministically, so every engine sees the same reque
   the case a prefix cache is for.
 
 Only loopback base URLs are accepted: this workplace forbids load tests against any other address.
+
+`fit_cost_model` (`yaie bench --fit-cost-model`) measures the engine itself instead: it times
+`Engine.step` over prefills of several lengths and decodes of several batch sizes and contexts,
+and fits the step-time model `yaie simulate` runs on.
 """
 
 from __future__ import annotations
@@ -45,13 +49,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from yaie.config import EngineConfig
+    from yaie.engine.engine import Engine
+    from yaie.simulate.cost_model import CostModel, StepShape
 
 SHORT_QUESTIONS = (
     "What is the capital of France?",
@@ -462,6 +471,81 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_requests < 1 or args.max_tokens < 1 or args.timeout <= 0 or args.warmup < 0:
         parser.error("--num-requests and --max-tokens must be >= 1, --timeout > 0, --warmup >= 0")
     return args
+
+
+# Step shapes timed for the fit: one prompt of each length (prefill: many tokens, one sample),
+# then batches of each size at each context (decode: one token and one sample per sequence).
+FIT_PROMPT_LENS = (16, 64, 256, 1024, 2048)
+FIT_BATCHES = (1, 4, 8, 16, 32)
+FIT_CONTEXTS = (32, 512)
+FIT_DECODE_STEPS = 16
+
+
+def fit_cost_model(config: EngineConfig) -> tuple[CostModel, float]:
+    """Build the engine `config` describes, time its steps, and fit a cost model to them.
+
+    Returns the model and its median relative error over the timed steps.
+    """
+    from yaie.engine.engine import Engine  # imports torch: only here, so `yaie simulate` need not
+    from yaie.simulate.cost_model import CostModel  # yaie.simulate reuses this module's percentile
+
+    engine = Engine(config)
+    budget = min(config.max_num_batched_tokens, engine.max_model_len - FIT_DECODE_STEPS)
+    _run_timed(engine, [min(16, budget)], 4, [], [])  # warm-up: first-call costs are not step costs
+    shapes: list[StepShape] = []
+    seconds: list[float] = []
+    for length in FIT_PROMPT_LENS:
+        _run_timed(engine, [min(length, budget)], 1, shapes, seconds)
+    for batch in FIT_BATCHES:
+        for context in FIT_CONTEXTS:
+            lengths = [min(context, budget)] * min(batch, config.max_num_seqs)
+            _run_timed(engine, lengths, FIT_DECODE_STEPS, shapes, seconds)
+    settings = {
+        "model": str(engine.model_path),
+        "block_size": config.block_size,
+        "num_kv_blocks": engine.block_pool.num_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "prefix_caching": config.enable_prefix_caching,
+    }
+    cost = CostModel.fit(shapes, seconds, settings)
+    errors = [abs(cost.step_time(shape) - t) / t for shape, t in zip(shapes, seconds, strict=True)]
+    return cost, percentile(errors, 50) or 0.0
+
+
+def _run_timed(
+    engine: Engine, prompt_lens: list[int], max_tokens: int, shapes: list[StepShape], seconds: list[float]
+) -> None:
+    """Run requests of random (so uncached) prompts to the end, recording each step's shape and time."""
+    from yaie.sampling_params import SamplingParams
+    from yaie.simulate.adapter import step_items, step_shape
+
+    rng = random.Random(len(shapes))
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    for length in prompt_lens:
+        engine.add_request(None, [rng.randrange(vocab) for _ in range(length)], params)
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+    scheduled: list[StepShape] = []
+
+    def recording_schedule() -> Any:
+        output = schedule()
+        scheduled.append(step_shape(step_items(output)))
+        return output
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    try:
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - start
+            shape = scheduled.pop()
+            if shape.num_tokens:
+                shapes.append(shape)
+                seconds.append(elapsed)
+    finally:
+        del scheduler.schedule  # back to the class's method
 
 
 def main(argv: list[str] | None = None) -> int:

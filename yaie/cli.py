@@ -1,4 +1,5 @@
-"""The `yaie` command: `generate` once, `serve` the OpenAI API, `chat` in a terminal, `bench` a server."""
+"""The `yaie` command: `generate` once, `serve` the OpenAI API, `chat` in a terminal, `bench` a server,
+`plan` a model's memory, `simulate` batching policies."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import httpx
 import uvicorn
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 import yaie
 from yaie.config import EngineConfig
@@ -166,7 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-set", choices=("short", "long", "shared-prefix"), default="short")
     bench.add_argument("--max-tokens", default="128")
     bench.add_argument("--out", help="write the results as JSON here")
+    bench.add_argument(
+        "--fit-cost-model",
+        metavar="PATH",
+        help="instead of load-testing: time the engine's steps over a range of batch shapes and write "
+        "the fitted step-time model for `yaie simulate --cost-model` here",
+    )
     bench.set_defaults(run=run_bench)
+    _add_plan_parser(commands)
+    _add_simulate_parser(commands)
     return parser
 
 
@@ -363,6 +373,24 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from yaie import bench
 
+    if args.fit_cost_model:
+        serve = build_parser().parse_args(["serve", *args.serve_args])
+        config = _engine_config(
+            serve,
+            max_num_seqs=serve.max_num_seqs,
+            max_num_batched_tokens=serve.max_num_batched_tokens,
+            block_size=serve.block_size,
+            enable_prefix_caching=not serve.no_prefix_caching,
+        )
+        cost, error = bench.fit_cost_model(config)
+        cost.save(Path(args.fit_cost_model))
+        console.print(
+            f"step time = {cost.fixed_s * 1e3:.3f} ms + {cost.per_token_s * 1e6:.2f} us/token "
+            f"+ {cost.per_kv_token_s * 1e9:.2f} ns/KV token read + {cost.per_sample_s * 1e6:.2f} us/sample "
+            f"(median error {error:.1%}); wrote {args.fit_cost_model}"
+        )
+        return 0
+
     with socket.socket() as probe:  # a free loopback port for the server
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -395,6 +423,289 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+# -- plan -------------------------------------------------------------------------------------
+
+
+def _context_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(parse_bytes(part) for part in text.split(",") if part.strip())
+    except argparse.ArgumentTypeError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected context lengths like 2048,8k,32k; got {text!r}")
+    return values
+
+
+def _add_plan_parser(commands: Any) -> None:
+    from yaie.plan.memory import KV_BYTES, WEIGHT_BYTES
+    from yaie.plan.planner import DEFAULT_CONTEXTS
+
+    plan = commands.add_parser(
+        "plan",
+        help="weights, KV cache and concurrent sequences of a model on a GPU",
+        description="MODEL is a preset (Llama-3-8B, Mixtral-8x7B, ...), a config.json, a HF folder or a "
+        ".gguf file (default: the bundled SmolLM2-135M). Sizes: 80GiB, 24GB, 512MiB.",
+    )
+    plan.add_argument("model", nargs="?", help="preset name, config.json, HF folder or .gguf file")
+    budget = plan.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--memory", type=parse_bytes, help="memory of each GPU")
+    budget.add_argument(
+        "--kv-cache-memory", type=parse_bytes, help="KV cache size per GPU, as `yaie serve` takes it"
+    )
+    plan.add_argument(
+        "--dtype", choices=list(WEIGHT_BYTES), help="weights (default: bfloat16, or a GGUF file's own)"
+    )
+    plan.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_BYTES])
+    plan.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    plan.add_argument("--block-size", type=_positive_int, default=16)
+    plan.add_argument(
+        "--context",
+        type=_context_list,
+        default=DEFAULT_CONTEXTS,
+        help="comma-separated context lengths to count sequences at (default 2k,4k,8k,32k,128k)",
+    )
+    plan.add_argument("--max-num-seqs", type=_positive_int, default=256, help="for the activation estimate")
+    plan.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="likewise")
+    plan.add_argument(
+        "--framework-overhead", type=parse_bytes, default="1GiB", help="CUDA context, allocator slack"
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(run=run_plan)
+
+
+def _size(num_bytes: int | None) -> str:
+    if num_bytes is None:
+        return "-"
+    return (
+        f"{num_bytes / (1 << 30):,.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):,.1f} MiB"
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from yaie.plan import Overhead, load_model_source, make_plan
+
+    result = make_plan(
+        load_model_source(args.model),
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        memory=args.memory,
+        kv_cache_memory=args.kv_cache_memory,
+        tensor_parallel_size=args.tensor_parallel_size,
+        block_size=args.block_size,
+        contexts=args.context,
+        overhead=Overhead(args.framework_overhead, args.max_num_batched_tokens, args.max_num_seqs),
+    )
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    arch = result.architecture
+    tp = result.tensor_parallel_size
+    table = Table(
+        title=f"{escape(result.model)} ({arch.name}), {result.dtype} weights, tp={tp}", show_header=False
+    )
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    params = f"{result.num_parameters / 1e9:,.2f} B"
+    if result.num_active_parameters != result.num_parameters:
+        params += f" ({result.num_active_parameters / 1e9:,.2f} B active per token)"
+    kv_token = f"{result.kv_bytes_per_token / 1024:,.1f} KiB ({result.kv_cache_dtype})"
+    if arch.sliding_window:
+        kv_token += (
+            f", sliding window {arch.sliding_window} on {sum(w is not None for w in arch.layer_windows)}"
+        )
+        kv_token += f"/{arch.num_layers} layers"
+    rows = [
+        ("parameters", params),
+        ("weights", f"{_size(result.weight_bytes)} ({_size(result.weight_bytes_per_gpu)} per GPU)"),
+        ("KV per token", kv_token),
+        ("memory per GPU", _size(result.memory_per_gpu)),
+        ("runtime overhead per GPU", _size(result.overhead_bytes_per_gpu)),
+        ("KV cache per GPU", _size(result.kv_cache_bytes_per_gpu)),
+        (
+            "KV budget",
+            f"{result.kv_budget_tokens:,} tokens = {result.kv_budget_blocks:,} blocks of {result.block_size}",
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    for context, count in result.max_sequences.items():
+        shown = "beyond the model's context" if count is None else f"{count:,}"
+        table.add_row(f"sequences at {context:,} tokens", shown)
+    console.print(table)
+    return 0
+
+
+# -- simulate ---------------------------------------------------------------------------------
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        values = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH token counts, got {text!r}") from None
+    if not 1 <= values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
+    return values
+
+
+def _add_simulate_parser(commands: Any) -> None:
+    sim = commands.add_parser(
+        "simulate",
+        help="compare batching policies on the real scheduler with a step-time cost model",
+        description="Runs the engine's scheduler, block pool and prefix cache in virtual time. Step times "
+        "come from --cost-model (fitted by `yaie bench --fit-cost-model`) or from a roofline of --model "
+        "on a GPU of --bandwidth and --flops. Scenarios: static, continuous, continuous+prefix, and "
+        "'+'-joined options chunk=N (token budget), pool=N (KV blocks), spec=K@A (speculative decoding).",
+    )
+    traffic = sim.add_argument_group("traffic")
+    traffic.add_argument("--trace", type=Path, help="a JSONL trace instead of synthetic traffic")
+    traffic.add_argument("--arrival", choices=("poisson", "bursty", "closed"), default="poisson")
+    traffic.add_argument("--rate", type=float, default=4.0, help="requests per second (poisson, bursty)")
+    traffic.add_argument("--burst-size", type=_positive_int, default=8)
+    traffic.add_argument("--clients", type=_positive_int, default=8, help="closed loop: requests in flight")
+    traffic.add_argument("--num-requests", type=_positive_int, default=200, help="(sessions, with --turns)")
+    traffic.add_argument("--prompt-len", type=_length_range, default=(512, 2048), help="LOW:HIGH tokens")
+    traffic.add_argument("--output-len", type=_length_range, default=(128, 512), help="LOW:HIGH tokens")
+    traffic.add_argument("--shared-prefix", type=float, default=0.0, help="share of each prompt in common")
+    traffic.add_argument("--turns", type=_positive_int, default=1, help="turns per multi-turn session")
+    traffic.add_argument("--think-time", type=float, default=5.0, help="seconds between a session's turns")
+    traffic.add_argument("--seed", type=int, default=0)
+    cost = sim.add_argument_group("cost model and engine")
+    cost.add_argument(
+        "--cost-model", type=Path, help="a JSON cost model (e.g. from yaie bench --fit-cost-model)"
+    )
+    cost.add_argument(
+        "--model", default="Llama-3-8B", help="roofline: a preset, config.json, folder or .gguf"
+    )
+    cost.add_argument("--memory", type=parse_bytes, default="80GiB", help="roofline: memory per GPU")
+    cost.add_argument("--dtype", default="bfloat16", help="roofline: weight dtype")
+    cost.add_argument("--kv-cache-dtype", default="auto")
+    cost.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    cost.add_argument("--bandwidth", type=float, default=3.35e12, help="roofline: bytes/s per GPU (H100)")
+    cost.add_argument("--flops", type=float, default=989e12, help="roofline: FLOP/s per GPU (H100 bf16)")
+    cost.add_argument("--num-kv-blocks", type=_positive_int, help="default: the cost model's or the plan's")
+    cost.add_argument("--block-size", type=_positive_int)
+    cost.add_argument("--max-num-seqs", type=_positive_int)
+    cost.add_argument("--max-num-batched-tokens", type=_positive_int)
+    cost.add_argument("--draft-cost-ratio", type=float, default=0.05, help="spec=K@A: draft / target step")
+    sim.add_argument(
+        "--compare", default="static,continuous,continuous+prefix", help="comma-separated scenarios"
+    )
+    sim.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    sim.add_argument("--plot", type=Path, help="write TTFT / latency CDFs and KV use over time (PNG)")
+    sim.set_defaults(run=run_simulate)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from yaie.simulate import (
+        CostModel,
+        EngineSettings,
+        Scenario,
+        TrafficSpec,
+        load_trace,
+        plot,
+        simulate,
+        summarize,
+        synthetic_traffic,
+    )
+
+    scenarios = [Scenario.parse(text) for text in args.compare.split(",") if text.strip()]
+    if args.cost_model:
+        cost = CostModel.load(args.cost_model)
+    else:
+        from yaie.plan import load_model_source, make_plan
+
+        planned = make_plan(
+            load_model_source(args.model),
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            memory=args.memory,
+            tensor_parallel_size=args.tensor_parallel_size,
+            block_size=args.block_size or 16,
+        )
+        cost = CostModel.roofline(planned, args.bandwidth, args.flops)
+    engine = cost.engine
+    if args.num_kv_blocks is None and "num_kv_blocks" not in engine:
+        raise ValueError("the cost model names no KV pool size: pass --num-kv-blocks")
+    settings = EngineSettings(
+        num_kv_blocks=args.num_kv_blocks or int(engine["num_kv_blocks"]),
+        block_size=args.block_size or int(engine.get("block_size", 16)),
+        max_num_seqs=args.max_num_seqs or int(engine.get("max_num_seqs", 64)),
+        max_num_batched_tokens=args.max_num_batched_tokens or int(engine.get("max_num_batched_tokens", 2048)),
+        draft_cost_ratio=args.draft_cost_ratio,
+    )
+    if args.trace:
+        traffic = load_trace(
+            args.trace, clients=args.clients if args.arrival == "closed" else None, seed=args.seed
+        )
+    else:
+        traffic = synthetic_traffic(
+            TrafficSpec(
+                num_requests=args.num_requests,
+                arrival=args.arrival,
+                rate=args.rate,
+                burst_size=args.burst_size,
+                clients=args.clients,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                shared_prefix=args.shared_prefix,
+                turns=args.turns,
+                think_s=args.think_time,
+                seed=args.seed,
+            )
+        )
+    results = [simulate(traffic, scenario, settings, cost, seed=args.seed) for scenario in scenarios]
+    summaries = [summarize(result) for result in results]
+    if args.plot:
+        plot(results, args.plot)
+    if args.json:
+        print(
+            json.dumps(
+                {"settings": settings.__dict__, "cost_model": cost.to_json(), "scenarios": summaries},
+                indent=2,
+            )
+        )
+        return 0
+    if not console.is_terminal:
+        console.width = max(console.width, 150)  # the table is wide; keep it whole in logs and pipes
+    table = Table(title=f"simulated: {len(traffic.requests)} requests, {settings.num_kv_blocks:,} KV blocks")
+    for header in (
+        "scenario",
+        "out tok/s",
+        "TTFT p50 s",
+        "p99",
+        "TPOT p50 ms",
+        "e2e p50 s",
+        "p99",
+        "prefix hit",
+        "KV peak",
+        "preempt",
+    ):
+        table.add_column(header, justify="left" if header == "scenario" else "right")
+    for s in summaries:
+        table.add_row(
+            escape(s["scenario"]),
+            f"{s['output_tok_s']:,.1f}",
+            f"{s['ttft_p50_s']:.3f}",
+            f"{s['ttft_p99_s']:.3f}",
+            f"{s['tpot_p50_s'] * 1e3:.2f}" if s["tpot_p50_s"] is not None else "-",
+            f"{s['e2e_p50_s']:.2f}",
+            f"{s['e2e_p99_s']:.2f}",
+            f"{s['prefix_hit_rate']:.0%}",
+            f"{s['kv_usage_peak']:.0%}",
+            str(s["num_preemptions"]),
+        )
+    console.print(table)
+    if args.plot:
+        console.print(f"wrote {args.plot}")
+    return 0
 
 
 if __name__ == "__main__":
