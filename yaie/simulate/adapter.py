@@ -62,7 +62,7 @@ class EngineScheduler:
         )
 
     def add(self, seq_id: str, prompt_token_ids: list[int]) -> Sequence:
-        seq = Sequence(seq_id, prompt_token_ids, SamplingParams(max_tokens=None), arrival_time=0.0)
+        seq = Sequence(seq_id, prompt_token_ids, SamplingParams(max_tokens=None))
         self.scheduler.add(seq)
         return seq
 
