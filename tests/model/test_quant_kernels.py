@@ -117,7 +117,7 @@ def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels)
 def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
     raw = random_blocks(ggml_type, 11, 512, seed=1)
     layer = QuantizedLinear.from_gguf(raw.tobytes(), ggml_type, 11, 512)
-    torch.testing.assert_close(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)), rtol=0, atol=0)
+    assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
