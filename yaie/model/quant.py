@@ -33,7 +33,9 @@ GROUP_ROWS = 4  # weight rows interleaved in the packed layout
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
 
 # From this many activation rows on, dequantizing tiles of the weight and multiplying in fp32
-# beats the int8 kernel (benchmarks/quant_matmul.py, 2 threads, AVX2).
+# beats the int8 kernel. benchmarks/quant_matmul.py (AVX2, 1 thread, a busy shared machine):
+# up to 32 rows int8 is 1.1-1.4x faster than the tiles at every shape; at 512 the tiles are
+# 1.1-2x faster at qkv, down and o_proj, even at gate_up, and 0.8x at lm_head; 64-128 is mixed.
 DEQUANTIZED_FROM_ROWS = 64
 # Rows per dequantized tile: 256 x 576 fp32 is 576 KiB, within L2 with the activations' rows.
 TILE_ROWS = 256
@@ -192,6 +194,12 @@ def isa() -> str:
 
 class QuantizedLinear(nn.Module):
     """y = x @ W.T (+ bias) with W kept packed in 4 or 8 bits (see the module docstring)."""
+
+    # Buffers, in the layout of csrc/quant_common.h; mins only for 4-bit weights.
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bias: torch.Tensor | None
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                  out_features: int, bias: torch.Tensor | None = None) -> None:
