@@ -166,3 +166,14 @@ def test_forcing_an_isa_this_cpu_lacks_says_which_it_has(native_kernels, monkeyp
     monkeypatch.setenv("YAIE_QUANT_ISA", missing[0])
     with pytest.raises(ValueError, match=f"YAIE_QUANT_ISA={missing[0]} is not available.*available: scalar"):
         quant.isa()
+
+
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+def test_bfloat16_activations_come_back_in_bfloat16(path, request):
+    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
+    raw = random_blocks(T.Q4_1, 8, 256, seed=3)
+    layer = QuantizedLinear.from_gguf(raw, T.Q4_1, 8, 256)
+    x = random_activations(2, 256, seed=6).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, layer(x.float()).bfloat16())

@@ -260,9 +260,10 @@ class QuantizedLinear(nn.Module):
         return w.permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, self.in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features], computed in float32, returned in x's dtype."""
         path = isa()
         if path == "none":
-            return F.linear(x, self.dequantize(), self.bias)
+            return F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype)
         rows = x.reshape(-1, self.in_features).float().contiguous()
         if rows.shape[0] >= DEQUANTIZED_FROM_ROWS:
             y = torch.ops.yaie.quant_matmul_dequantized(
@@ -272,4 +273,4 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.yaie.quant_matmul(
                 rows, self.qweight, self.scales, self.mins, self.bias, self.out_features, ISAS.index(path)
             )
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
