@@ -27,7 +27,7 @@ from yaie.errors import InvalidRequestError
 from yaie.model.loader import load_model
 from yaie.engine.model_runner import ModelRunner
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from yaie.sampling.sampler import Sampler, SamplingSeq, prompt_logprobs
+from yaie.sampling.sampler import Sampler, prompt_logprobs
 from yaie.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,16 @@ class _Choice:
     num_emitted_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+
+
+@dataclass
+class _SamplingRow:
+    """A choice's sequence as the sampler reads it (a `SamplingSeq`): history and generator."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
 
 
 @dataclass
@@ -289,15 +299,12 @@ class Engine:
                 self._record_prompt_logprobs(group, first_target, logits)
         if not sampling:
             return []
-        seqs = [self._sampling_seq(item) for item in sampling]
-        sampled = self.sampler(result.logits, seqs)
+        rows = [self._sampling_row(item) for item in sampling]
+        sampled = self.sampler.sample(result.logits, self.sampler.prepare(rows, result.logits.device))
 
         for row, item in enumerate(sampling):
             group, choice = self._choice_of[item.seq]
-            logprob = None
-            if choice.logprobs is not None and sampled.logprobs is not None:
-                top = sampled.top_logprobs[row] if sampled.top_logprobs else []  # already cut to this row's k
-                logprob = TokenLogprob(sampled.token_ids[row], sampled.logprobs[row], top)
+            logprob = sampled.logprobs[row] if sampled.logprobs is not None else None
             self._append_token(group, choice, sampled.token_ids[row], logprob)
             touched[group.request_id] = group
         return [self._make_output(group) for group in touched.values()]
@@ -318,10 +325,10 @@ class Engine:
                 group.pending.clear()
                 self._forking.remove(group)
 
-    def _sampling_seq(self, item: ScheduledSequence) -> SamplingSeq:
+    def _sampling_row(self, item: ScheduledSequence) -> _SamplingRow:
         request = item.seq
         _, choice = self._choice_of[request]
-        return SamplingSeq(
+        return _SamplingRow(
             request.sampling_params, request.prompt_token_ids, request.output_token_ids, choice.generator
         )
 
