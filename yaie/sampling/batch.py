@@ -33,7 +33,7 @@ class SamplingBatch:
     num_rows: int
     # Every row greedy with nothing to apply (no processor, no logprobs): the step is one argmax.
     plain_greedy: bool
-    # Stages 1-2, in order (logit_bias, min_tokens bans, penalties); only those some row needs.
+    # Stage 1, in order (logit_bias, min_tokens bans, penalties); only those some row needs.
     processors: list[LogitsProcessor]
     # [B, 1] float32 divisors (1 for greedy rows), or None when every row's is 1.
     temperatures: torch.Tensor | None

@@ -1,4 +1,4 @@
-"""Stage 5 of the sampler: one token per row by inverse CDF, from one uniform number per row.
+"""Stage 4 of the sampler: one token per row by inverse CDF, from one uniform number per row.
 
 The token is the first id, in id order, at which the running sum of the kept tokens' weights
 exp(logit - max) reaches u * their total. One number per row (rather than the V exponentials

@@ -1,4 +1,4 @@
-"""Stage 6 of the sampler (logprobs of the sampled tokens), and the prompt's own logprobs."""
+"""Stage 5 of the sampler (logprobs of the sampled tokens), and the prompt's own logprobs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stages 1-2 of the sampler: logits processors, which edit the raw logits of the rows that ask
+"""Stage 1 of the sampler: logits processors, which edit the raw logits of the rows that ask
 for it before temperature and truncation (logit_bias, min_tokens bans, penalties).
 
 Each processor is built once per step from the batch's sequences, holding the (row, token id)

@@ -1,4 +1,4 @@
-"""Stage 4 of the sampler: top_k, then top_p, then min_p, as one logit threshold per row.
+"""Stage 3 of the sampler: top_k, then top_p, then min_p, as one logit threshold per row.
 
 Each cut is a logit threshold and a row keeps the logits >= the largest of its thresholds, so
 tokens tied with the last one kept are all kept; this makes the kept set independent of the
