@@ -13,12 +13,12 @@ import torch
 from tiny_models import ARCHITECTURES, make_tiny_model
 
 from yaie.cache.block_pool import BlockPool
-from yaie.engine.sequence import Sequence
+from yaie.engine.model_runner import ModelRunner
 from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
+from yaie.engine.sequence import Sequence
 from yaie.errors import UnsupportedModelError
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.loader import load_model
-from yaie.engine.model_runner import ModelRunner
 from yaie.sampling_params import SamplingParams
 
 ATOL = 1e-4

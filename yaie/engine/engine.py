@@ -24,7 +24,7 @@ from yaie.engine.detokenizer import IncrementalDetokenizer
 from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.engine.scheduler import ScheduledSequence, Scheduler
 from yaie.errors import InvalidRequestError
-from yaie.model.loader import load_model
+from yaie.model.loader import LoadProgress, load_model
 from yaie.engine.model_runner import ModelRunner
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import Sampler, SamplingSeq, prompt_logprobs
@@ -111,16 +111,18 @@ def default_kv_cache_memory(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, load_progress: LoadProgress | None = None) -> None:
+        """`load_progress`: called with (tensors loaded, total) while the model loads."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
-        loaded = load_model(config.model, self.dtype, self.device, max_positions=config.max_model_len)
+        loaded = load_model(
+            config.model, self.dtype, self.device, max_positions=config.max_model_len, progress=load_progress
+        )
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.load_seconds = loaded.load_seconds
 
         block_bytes = ModelRunner.bytes_per_block(loaded.model, config.block_size, self.dtype)
         num_blocks = (
