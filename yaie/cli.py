@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 import uvicorn
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import yaie
@@ -29,6 +31,7 @@ from yaie.config import EngineConfig
 from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.engine import Engine
 from yaie.errors import InvalidRequestError, YaieError
+from yaie.model.loader import LoadProgress
 from yaie.sampling_params import SamplingParams
 from yaie.server.app import build_app
 
@@ -102,6 +105,38 @@ def _engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         **overrides,
     )
+
+
+def _log_to_terminal() -> None:
+    """Show what the library logs (the model and kernels loading, warnings) on stderr, as rich
+    lines. Only where nothing configured logging already: `serve` sets it up its own way."""
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_time=False, show_path=False)],
+    )
+    logging.getLogger("yaie").setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def _loading_bar() -> Iterator[LoadProgress]:
+    """A progress bar on stderr while the engine loads the model (none where stderr is not a
+    terminal); yields the callback for Engine's `load_progress`."""
+    with Progress(
+        TextColumn("[bold]loading[/] the model"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tensors"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    ) as progress:
+        task = progress.add_task("model", total=None)
+
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield advance
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    engine = Engine(_engine_config(args))
+    _log_to_terminal()
+    with _loading_bar() as progress:
+        engine = Engine(_engine_config(args), load_progress=progress)
     prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     request_id = engine.add_request(None, prompt, params)
@@ -226,7 +263,8 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
     )
-    async_engine = AsyncEngine(lambda: Engine(config))
+    with _loading_bar() as progress:
+        async_engine = AsyncEngine(lambda: Engine(config, load_progress=progress))
     name = args.served_model_name or args.model or Path(async_engine.engine.model_path).stem
     app = build_app(async_engine, name, api_key=args.api_key, max_waiting=args.max_waiting)
     server_config = uvicorn.Config(
@@ -275,7 +313,9 @@ class LocalChat:
     """Answers from an Engine in this process."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.engine = Engine(_engine_config(args))
+        _log_to_terminal()
+        with _loading_bar() as progress:
+            self.engine = Engine(_engine_config(args), load_progress=progress)
         self.name = Path(self.engine.model_path).stem
 
     def stream(self, messages: list[dict[str, str]], max_tokens: int, temperature: float) -> Iterator[str]:

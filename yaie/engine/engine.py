@@ -30,7 +30,7 @@ from yaie.engine.output_processor import OutputProcessor
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import SequenceStatus
 from yaie.errors import InvalidRequestError
-from yaie.model.loader import load_model
+from yaie.model.loader import LoadProgress, load_model
 from yaie.outputs import RequestOutput
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
@@ -99,12 +99,15 @@ def default_kv_cache_memory(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, load_progress: LoadProgress | None = None) -> None:
+        """`load_progress`: called with (tensors loaded, total) while the model loads."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
-        loaded = load_model(config.model, self.dtype, self.device, max_positions=config.max_model_len)
+        loaded = load_model(
+            config.model, self.dtype, self.device, max_positions=config.max_model_len, progress=load_progress
+        )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 
