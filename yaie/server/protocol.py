@@ -97,14 +97,13 @@ class SamplingRequest(OpenAIModel):
 
     def _sampling_params(
         self,
-        vocab_size: int,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
-        given = {
+        given: dict[str, Any] = {  # SamplingParams' defaults stand for the fields left out
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -123,7 +122,7 @@ class SamplingRequest(OpenAIModel):
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                logit_bias=_token_bias(self.logit_bias or {}, vocab_size),
+                logit_bias=_token_bias(self.logit_bias or {}),
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -133,18 +132,16 @@ class SamplingRequest(OpenAIModel):
             raise self.translate_error(exc) from exc
 
 
-def _token_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
-    """OpenAI sends logit_bias keyed by token ids written as strings."""
+def _token_bias(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI sends logit_bias keyed by token ids written as strings. Whether an id is inside the
+    vocabulary is the engine's check, the one place that knows the vocabulary."""
     bias = {}
     for key, value in logit_bias.items():
         try:
             token_id = int(key)
-        except ValueError:
-            token_id = -1
-        if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(
-                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
-            )
+        except ValueError as exc:
+            message = f"logit_bias: keys must be token ids, got {key!r}"
+            raise InvalidRequestError(message, "logit_bias") from exc
         bias[token_id] = value
     return bias
 
@@ -162,7 +159,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         if self.tools:
             raise _unsupported("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -174,7 +171,6 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
         return self._sampling_params(
-            vocab_size,
             max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
@@ -194,14 +190,14 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         if self.suffix is not None:
             raise _unsupported("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "only best_of equal to n is supported")
         # Echoing the prompt with logprobs needs the prompt's logprobs too.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: OpenAI accepts one prompt or a batch, as text or token ids."""
