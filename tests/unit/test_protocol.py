@@ -12,12 +12,18 @@ from pydantic import ValidationError
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
 from yaie.server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    CompletionChoice,
     CompletionRequest,
+    CompletionResponse,
     Usage,
     chat_logprobs,
     completion_logprobs,
     describe_validation_error,
+    join_chat_chunks,
+    join_completion_chunks,
 )
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -365,3 +371,87 @@ def test_usage_totals() -> None:
         "total_tokens": 12,
         "prompt_tokens_details": {"cached_tokens": 4},
     }
+
+
+# -- joining a stream's chunks ----------------------------------------------------------------
+
+USAGE = Usage.of(prompt_tokens=3, completion_tokens=4, cached_tokens=0)
+
+
+def chat_chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+    return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=choices, usage=usage)
+
+
+def test_chat_chunks_join_into_the_whole_response() -> None:
+    logprob = {token_id: TokenLogprob(token_id, -0.5 * token_id) for token_id in (1, 2, 4)}
+
+    def content(index: int, token_id: int) -> ChatCompletionChunk:
+        logprobs = chat_logprobs([logprob[token_id]], decode)
+        delta = {"content": decode(token_id)}
+        return chat_chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
+
+    def finish(index: int, reason: str) -> ChatCompletionChunk:
+        return chat_chunk([ChatChunkChoice(index=index, delta={}, finish_reason=reason)])
+
+    roles = [ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in (0, 1)]
+    chunks = [
+        chat_chunk(roles),
+        content(1, 4),
+        content(0, 1),
+        finish(1, "length"),
+        content(0, 2),
+        finish(0, "stop"),
+        chat_chunk([], usage=USAGE),
+    ]
+    response = join_chat_chunks(chunks)
+    assert (response.id, response.created, response.model, response.usage) == ("chatcmpl-1", 7, "m", USAGE)
+    assert [choice.index for choice in response.choices] == [0, 1]
+    first, second = response.choices
+    assert (first.message.content, first.finish_reason) == ("Hello", "stop")
+    assert first.logprobs == chat_logprobs([logprob[1], logprob[2]], decode)
+    assert (second.message.content, second.finish_reason) == ("!", "length")
+    assert second.logprobs == chat_logprobs([logprob[4]], decode)
+
+
+def test_chat_chunks_without_logprobs_join_without_them() -> None:
+    chunks = [
+        chat_chunk([ChatChunkChoice(index=0, delta={"role": "assistant", "content": ""})]),
+        chat_chunk([ChatChunkChoice(index=0, delta={"content": "Hi"})]),
+        chat_chunk([ChatChunkChoice(index=0, delta={}, finish_reason="stop")]),
+        chat_chunk([], usage=USAGE),
+    ]
+    [choice] = join_chat_chunks(chunks).choices
+    assert (choice.message.content, choice.logprobs) == ("Hi", None)
+
+
+def test_completion_chunks_join_into_the_whole_response() -> None:
+    """Streamed logprobs columns continue each other's text offsets, so joined they equal the
+    columns of the whole text."""
+    tokens = [(1, None), (2, TokenLogprob(2, -0.25, [(2, -0.25)])), (4, TokenLogprob(4, -2.0, []))]
+    head = completion_logprobs(tokens[:2], decode, 0)
+    tail = completion_logprobs(tokens[2:], decode, len("Hello"))
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id="cmpl-1", created=7, model="m", choices=choices, usage=usage)
+
+    chunks = [
+        chunk([CompletionChoice(index=1, text="Bye")]),
+        chunk([CompletionChoice(index=0, text="Hello", logprobs=head)]),
+        chunk([CompletionChoice(index=0, text="!", logprobs=tail)]),
+        chunk([CompletionChoice(index=1, text="", finish_reason="stop")]),
+        chunk([CompletionChoice(index=0, text="", finish_reason="length")]),
+        chunk([], usage=USAGE),
+    ]
+    response = join_completion_chunks(chunks)
+    assert (response.id, response.created, response.model, response.usage) == ("cmpl-1", 7, "m", USAGE)
+    first, second = response.choices
+    assert (first.index, first.text, first.finish_reason) == (0, "Hello!", "length")
+    assert first.logprobs == completion_logprobs(tokens, decode, 0)
+    assert (second.index, second.text, second.logprobs, second.finish_reason) == (1, "Bye", None, "stop")
+
+
+def test_chunks_must_end_with_the_usage() -> None:
+    with pytest.raises(ValueError, match="usage"):
+        join_chat_chunks([chat_chunk([ChatChunkChoice(index=0, delta={"content": "Hi"})])])
+    with pytest.raises(ValueError, match="usage"):
+        join_completion_chunks([])

@@ -77,6 +77,13 @@ class RadixCache:
         return len(self._cached)
 
     @property
+    def num_tree_only_blocks(self) -> int:
+        """Blocks only the tree holds (ref count 1): no request uses them. Unlike
+        num_evictable_blocks, this counts those `evict` must leave until a request below them
+        lets go. Costs one pass over the cached blocks."""
+        return sum(1 for block_id in self._cached if self.pool.ref_count(block_id) == 1)
+
+    @property
     def num_evictable_blocks(self) -> int:
         """Blocks only the tree holds (ref count 1) that `evict` can actually free right now.
 

@@ -74,7 +74,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_kv_blocks: int
-    num_used_kv_blocks: int
+    num_used_kv_blocks: int  # held by sequences
+    num_cached_kv_blocks: int  # held only by the prefix cache, which may evict them
     kv_block_bytes: int
     num_preemptions: int
     num_computed_prompt_tokens: int  # prompt tokens actually run through the model (not cache hits)
@@ -82,6 +83,10 @@ class EngineStats:
     @property
     def kv_cache_used_bytes(self) -> int:
         return self.num_used_kv_blocks * self.kv_block_bytes
+
+    @property
+    def kv_cache_cached_bytes(self) -> int:
+        return self.num_cached_kv_blocks * self.kv_block_bytes
 
     @property
     def kv_cache_usage(self) -> float:
@@ -256,11 +261,14 @@ class Engine:
         return bool(self._groups)
 
     def stats(self) -> EngineStats:
+        cache = self.scheduler.prefix_cache
+        num_cached = 0 if cache is None else cache.num_tree_only_blocks
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_kv_blocks=self.block_pool.num_blocks,
-            num_used_kv_blocks=self.block_pool.num_used,
+            num_used_kv_blocks=self.block_pool.num_used - num_cached,
+            num_cached_kv_blocks=num_cached,
             kv_block_bytes=self.kv_block_bytes,
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_prompt_tokens=self.num_computed_prompt_tokens,

@@ -405,6 +405,78 @@ def completion_logprobs(
     return result
 
 
+# -- a stream's chunks, joined ----------------------------------------------------------------
+# The server builds every response as a stream of chunks; a response that is not streamed is
+# those chunks joined, so both kinds say exactly the same.
+
+
+def _usage_at_end(chunks: Sequence[ChatCompletionChunk] | Sequence[CompletionResponse]) -> Usage:
+    if not chunks or chunks[-1].usage is None:
+        raise ValueError("a response's chunks must end with one carrying the usage")
+    return chunks[-1].usage
+
+
+def join_chat_chunks(chunks: Sequence[ChatCompletionChunk]) -> ChatCompletionResponse:
+    """The whole chat completion that `chunks` stream: each choice's content and logprobs in
+    order, and its finish reason. The last chunk must carry the usage."""
+    usage = _usage_at_end(chunks)
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[ChatTokenLogprob]] = {}
+    finish_reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts.setdefault(choice.index, []).append(choice.delta.get("content", ""))
+            if choice.logprobs is not None:
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content)
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(content="".join(parts)),
+            logprobs=ChatLogprobs(content=logprobs[index]) if index in logprobs else None,
+            finish_reason=finish_reasons.get(index),
+        )
+        for index, parts in sorted(texts.items())
+    ]
+    first = chunks[0]
+    return ChatCompletionResponse(
+        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
+    )
+
+
+def join_completion_chunks(chunks: Sequence[CompletionResponse]) -> CompletionResponse:
+    """The whole text completion that `chunks` stream: each choice's text and logprobs columns
+    in order, and its finish reason. The last chunk must carry the usage."""
+    usage = _usage_at_end(chunks)
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, CompletionLogprobs] = {}
+    finish_reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts.setdefault(choice.index, []).append(choice.text)
+            if choice.logprobs is not None:
+                empty = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+                joined = logprobs.setdefault(choice.index, empty)
+                for column in CompletionLogprobs.model_fields:
+                    getattr(joined, column).extend(getattr(choice.logprobs, column))
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    choices = [
+        CompletionChoice(
+            index=index,
+            text="".join(parts),
+            logprobs=logprobs.get(index),
+            finish_reason=finish_reasons.get(index),
+        )
+        for index, parts in sorted(texts.items())
+    ]
+    first = chunks[0]
+    return CompletionResponse(
+        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
+    )
+
+
 # -- validation errors ------------------------------------------------------------------------
 
 _REQUESTS: tuple[type[BaseModel], ...] = (
