@@ -123,7 +123,6 @@ def _event(model: BaseModel) -> str:
 
 
 DONE_EVENT = "data: [DONE]\n\n"
-ChunkT = TypeVar("ChunkT", bound=BaseModel)
 
 
 class ClientDisconnected(APIError):
@@ -151,6 +150,9 @@ def _event_stream(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
     # X-Accel-Buffering: proxies such as nginx would otherwise hold tokens back.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(_events(chunks), media_type="text/event-stream", headers=headers)
+
+
+ChunkT = TypeVar("ChunkT", bound=BaseModel)
 
 
 async def _collect(chunks: AsyncGenerator[ChunkT, None]) -> list[ChunkT]:
