@@ -21,6 +21,8 @@ from yaie.engine.engine import Engine
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingSeq
 
+pytestmark = pytest.mark.slow
+
 STORY = "Once upon a time"
 COUNT = "Count: one, two, three,"
 QUIZ = "Q: What is 2 + 2?\nA:"

@@ -24,6 +24,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from yaie.engine.engine import Engine, EngineStats
@@ -98,7 +99,7 @@ class AsyncEngine:
     returns once it has, and raises what it raised.
     """
 
-    engine: Engine  # set by the engine thread, before the constructor returns
+    _engine: Engine  # set by the engine thread, before the constructor returns; used only there
 
     def __init__(self, make_engine: Callable[[], Engine]) -> None:
         self._wakeup = threading.Condition()
@@ -112,9 +113,12 @@ class AsyncEngine:
         )
         self._thread.start()
         engine = built.result()
+        # What the server needs to know about the model, fixed once the engine is built.
+        self.model_info = engine.model_info
+        self.model_path: Path = engine.model_info.path
         self.tokenizer = engine.tokenizer  # decoding from other threads only reads it
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.model_info.max_model_len
+        self.vocab_size = engine.model_info.vocab_size
 
     # -- the event loop's side ----------------------------------------------------------------
 
@@ -204,7 +208,7 @@ class AsyncEngine:
             if not future.set_running_or_notify_cancel():
                 return  # the caller stopped waiting
             try:
-                future.set_result(fn(self.engine))
+                future.set_result(fn(self._engine))
             except BaseException as exc:
                 future.set_exception(exc)
 
@@ -214,7 +218,7 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         def abort() -> None:
             self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
 
         self._submit(abort)
 
@@ -227,12 +231,12 @@ class AsyncEngine:
 
     def _run(self, make_engine: Callable[[], Engine], built: concurrent.futures.Future[Engine]) -> None:
         try:
-            self.engine = make_engine()
-            self._stats = self.engine.stats()  # replaced (never mutated) by this thread
+            self._engine = make_engine()
+            self._stats = self._engine.stats()  # replaced (never mutated) by this thread
         except BaseException as exc:
             built.set_exception(exc)
             return
-        built.set_result(self.engine)
+        built.set_result(self._engine)
         try:
             self._loop()
         except Exception:
@@ -244,7 +248,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                while not (self._commands or self._stopping or self._engine.has_unfinished_requests()):
                     self._wakeup.wait()
                 commands, stopping = list(self._commands), self._stopping
                 self._commands.clear()
@@ -255,16 +259,17 @@ class AsyncEngine:
                     logger.exception("engine command failed")
             if stopping:
                 return
-            if self.engine.has_unfinished_requests():
+            if self._engine.has_unfinished_requests():
                 self._step()
-            self._stats = self.engine.stats()
+            self._stats = self._engine.stats()
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except Exception as exc:
-            # We cannot tell which request broke the step, and the engine may be left halfway
-            # through it: fail everything in flight, and serve the next requests afresh.
+            # The engine fails a request that breaks a step by itself (Engine._forward), so this
+            # is a bug in the engine's own bookkeeping, and it may be left halfway through the
+            # step: fail everything in flight, and serve the next requests afresh.
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
             self._fail_all(RequestFailedError(f"the engine failed: {exc!r}"))
             return
@@ -274,7 +279,8 @@ class AsyncEngine:
                 continue  # aborted while this step ran
             if output.finished:
                 del self._streams[output.request_id]
-            self._deliver(output.request_id, entry, output)
+            failure = RequestFailedError(output.error) if output.error is not None else None
+            self._deliver(output.request_id, entry, failure or output)
 
     def _deliver(
         self,
@@ -288,13 +294,13 @@ class AsyncEngine:
         except RuntimeError:  # its event loop is closed: nobody is listening any more
             logger.warning("dropping request %s: its event loop is closed", request_id)
             self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for request_id, entry in streams.items():
             try:
-                self.engine.abort(request_id)
+                self._engine.abort(request_id)
             except Exception:  # keep failing the others; this one gets its error regardless
                 logger.exception("could not abort request %s", request_id)
             self._deliver(request_id, entry, error)

@@ -6,6 +6,11 @@ API key, 404 for an unknown model, 429 when too many requests wait, 500 when the
 a request, 503 while shutting down. Inside an event stream, which has already answered 200, a
 failure is sent as one last `data: {"error": ...}` event.
 
+Each completion endpoint builds one stream of OpenAI chunk objects over a `_Generation`, the one
+place that follows the engine requests behind a call: metrics, abort on disconnect, finish
+reasons and usage. A streamed response sends those chunks as server-sent events; any other joins
+them into the whole response (protocol's join_*_chunks), so the two always say the same.
+
 A request is aborted in the engine (freeing its KV cache) as soon as its client disconnects,
 whether it streams or not.
 """
@@ -17,8 +22,9 @@ import contextlib
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,7 +61,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -119,13 +125,42 @@ def _event(model: BaseModel) -> str:
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+class ClientDisconnected(APIError):
+    """The client went away before its response was complete (its requests are aborted)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client disconnected")  # nobody is left to read this
+
+
+async def _events(chunks: AsyncGenerator[BaseModel, None]) -> AsyncIterator[str]:
+    """`chunks` as server-sent events, then [DONE]. The stream has already answered 200, so a
+    failure is sent as one last error event."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield _event(chunk)
+        except ClientDisconnected:
+            return  # nobody is left to read the rest
+        except Exception as exc:
+            yield _error_event(exc)
+    yield DONE_EVENT
+
+
+def _event_stream(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
     # X-Accel-Buffering: proxies such as nginx would otherwise hold tokens back.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_events(chunks), media_type="text/event-stream", headers=headers)
 
 
-async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+ChunkT = TypeVar("ChunkT", bound=BaseModel)
+
+
+async def _collect(chunks: AsyncGenerator[ChunkT, None]) -> list[ChunkT]:
+    async with contextlib.aclosing(chunks):
+        return [chunk async for chunk in chunks]
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """The outputs of several streams as they come, each with its stream's position."""
     pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
     try:
@@ -165,6 +200,60 @@ async def _abort_on_exit(request: Request, streams: Sequence[RequestStream]) -> 
             stream.close()
 
 
+@dataclass
+class _Update:
+    """What one engine output brings to one choice of the response."""
+
+    index: int  # the choice's place in the response: prompt * n + the choice's index
+    prompt: int  # which of the call's prompts the choice answers
+    choice: CompletionOutput
+    output: RequestOutput  # the prompt's newest output, which `choice` belongs to
+    first: bool  # in the prompt's first output
+    finish_reason: str | None  # set on the one update that finishes the choice
+
+
+class _Generation:
+    """The engine requests behind one API call, one per prompt, followed together: the one place
+    that feeds the metrics, aborts on disconnect, sees each choice finish, and counts usage."""
+
+    def __init__(
+        self, request: Request, streams: list[RequestStream], trackers: list[RequestTracker], n: int
+    ) -> None:
+        self._request = request
+        self._streams = streams
+        self._trackers = trackers
+        self._n = n
+        self._finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def updates(self) -> AsyncGenerator[_Update, None]:
+        """Every choice of every output, as they come. Raises ClientDisconnected at the end if
+        the client left (which aborted the requests)."""
+        finished: set[int] = set()  # choices whose finish has been told
+        streams = self._streams
+        async with _abort_on_exit(self._request, streams), contextlib.aclosing(_merge(streams)) as outputs:
+            async for i, output in outputs:
+                self._trackers[i].observe(output)
+                first, self._finals[i] = self._finals[i] is None, output
+                for choice in output.outputs:
+                    index = i * self._n + choice.index
+                    finish_reason = None
+                    if choice.finish_reason is not None and index not in finished:
+                        finished.add(index)
+                        finish_reason = choice.finish_reason
+                    yield _Update(index, i, choice, output, first, finish_reason)
+        if any(stream.aborted for stream in streams):
+            raise ClientDisconnected()
+
+    def usage(self) -> p.Usage:
+        """The tokens of every output so far: all of them once `updates()` has ended."""
+        finals = [final for final in self._finals if final is not None]
+        return p.Usage.of(
+            prompt_tokens=sum(len(final.prompt_token_ids) for final in finals),
+            completion_tokens=sum(len(choice.token_ids) for final in finals for choice in final.outputs),
+            cached_tokens=sum(final.num_cached_tokens for final in finals),
+        )
+
+
 class OpenAIServer:
     """The endpoints' logic; `build_app` routes to it."""
 
@@ -182,207 +271,131 @@ class OpenAIServer:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
 
+    async def _start(
+        self,
+        request: Request,
+        body: p.SamplingRequest,
+        n: int,
+        adds: Sequence[Callable[[], Awaitable[RequestStream]]],
+    ) -> _Generation:
+        """Add one engine request per prompt through `adds`: all of them, or none."""
+        trackers = [RequestTracker(self.metrics) for _ in adds]  # their clocks start on arrival
+        streams: list[RequestStream] = []
+        try:
+            for add in adds:
+                streams.append(await add())
+        except BaseException as exc:
+            for stream in streams:
+                stream.close()
+            if isinstance(exc, InvalidRequestError):
+                raise body.translate_error(exc) from exc
+            raise
+        return _Generation(request, streams, trackers, n)
+
     # -- chat completions ---------------------------------------------------------------------
 
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        params = body.to_sampling_params(self.engine.vocab_size)
+        params = body.to_sampling_params()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        tracker = RequestTracker(self.metrics)
         messages = body.template_messages()
-        try:
-            stream = await self.engine.add_chat_request(request_id, messages, params, self.max_waiting)
-        except InvalidRequestError as exc:
-            raise body.translate_error(exc) from exc
-        if body.stream:
-            return _event_stream(self._chat_events(request, body, params.n, stream, tracker))
-        async with _abort_on_exit(request, [stream]):
-            final = None
-            async for output in stream:
-                tracker.observe(output)
-                final = output
-        if final is None or not final.finished:
-            raise APIError(499, "the client disconnected")  # nobody is left to read this
-        choices = [
-            p.ChatChoice(
-                index=choice.index,
-                message=p.AssistantMessage(content=choice.text),
-                logprobs=p.chat_logprobs(choice.logprobs or [], self._decode_token)
-                if body.logprobs
-                else None,
-                finish_reason=choice.finish_reason,
-            )
-            for choice in final.outputs
-        ]
-        response = p.ChatCompletionResponse(
-            id=request_id, model=body.model, choices=choices, usage=_usage([final])
+        generation = await self._start(
+            request,
+            body,
+            params.n,
+            [lambda: self.engine.add_chat_request(request_id, messages, params, self.max_waiting)],
         )
-        return _json(response)
+        chunks = self._chat_chunks(request_id, body, params.n, generation)
+        if body.stream:
+            return _event_stream(chunks)
+        return _json(p.join_chat_chunks(await _collect(chunks)))
 
-    async def _chat_events(
-        self,
-        request: Request,
-        body: p.ChatCompletionRequest,
-        n: int,
-        stream: RequestStream,
-        tracker: RequestTracker,
-    ) -> AsyncIterator[str]:
+    async def _chat_chunks(
+        self, request_id: str, body: p.ChatCompletionRequest, n: int, generation: _Generation
+    ) -> AsyncGenerator[p.ChatCompletionChunk, None]:
         created = p.now()
 
-        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
-            return _event(
-                p.ChatCompletionChunk(
-                    id=stream.request_id, created=created, model=body.model, choices=choices, usage=usage
-                )
+        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
+            return p.ChatCompletionChunk(
+                id=request_id, created=created, model=body.model, choices=choices, usage=usage
             )
 
-        def choice_chunk(index: int, delta: dict[str, str], **fields: Any) -> str:
-            return chunk([p.ChatChunkChoice(index=index, delta=delta, **fields)])
-
-        async with _abort_on_exit(request, [stream]):
-            try:
-                yield chunk(
-                    [p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)]
-                )
-                final = None
-                finished: set[int] = set()  # choices whose last chunk went out
-                async for output in stream:
-                    tracker.observe(output)
-                    final = output
-                    for choice in output.outputs:
-                        if choice.delta_text or (body.logprobs and choice.delta_token_ids):
-                            logprobs = None
-                            if body.logprobs:
-                                logprobs = p.chat_logprobs(_new_logprobs(choice), self._decode_token)
-                            yield choice_chunk(
-                                choice.index, {"content": choice.delta_text}, logprobs=logprobs
-                            )
-                        if choice.finish_reason is not None and choice.index not in finished:
-                            finished.add(choice.index)
-                            yield choice_chunk(choice.index, {}, finish_reason=choice.finish_reason)
-                if stream.aborted:
-                    return
-                if final is not None and body.include_usage:
-                    yield chunk([], usage=_usage([final]))
-            except Exception as exc:
-                yield _error_event(exc)
-            yield DONE_EVENT
+        roles = [p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)]
+        yield chunk(roles)
+        async with contextlib.aclosing(generation.updates()) as updates:
+            async for update in updates:
+                choice = update.choice
+                if choice.delta_text or (body.logprobs and choice.delta_token_ids):
+                    logprobs = None
+                    if body.logprobs:
+                        logprobs = p.chat_logprobs(_new_logprobs(choice), self._decode_token)
+                    delta = {"content": choice.delta_text}
+                    yield chunk([p.ChatChunkChoice(index=update.index, delta=delta, logprobs=logprobs)])
+                if (reason := update.finish_reason) is not None:
+                    yield chunk([p.ChatChunkChoice(index=update.index, delta={}, finish_reason=reason)])
+        if body.include_usage or not body.stream:  # a whole response always has its usage
+            yield chunk([], usage=generation.usage())
 
     # -- text completions ---------------------------------------------------------------------
 
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        params = body.to_sampling_params(self.engine.vocab_size)
+        params = body.to_sampling_params()
         prompts = body.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        trackers = [RequestTracker(self.metrics) for _ in prompts]
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(engine_id, prompt, params, self.max_waiting))
-        except BaseException:
-            for stream in streams:  # all prompts run, or none
-                stream.close()
-            raise
-        echoes = [""] * len(prompts)
-        if body.echo:
-            echoes = [
-                prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt) for prompt in prompts
-            ]
+
+        def add(i: int, prompt: str | list[int]) -> Callable[[], Awaitable[RequestStream]]:
+            engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            return lambda: self.engine.add_request(engine_id, prompt, params, self.max_waiting)
+
+        adds = [add(i, prompt) for i, prompt in enumerate(prompts)]
+        generation = await self._start(request, body, params.n, adds)
+        chunks = self._completion_chunks(request_id, body, generation)
         if body.stream:
-            return _event_stream(
-                self._completion_events(request, request_id, body, params.n, streams, trackers, echoes)
-            )
+            return _event_stream(chunks)
+        return _json(p.join_completion_chunks(await _collect(chunks)))
 
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async with _abort_on_exit(request, streams):
-            async for i, output in _merge(streams):
-                trackers[i].observe(output)
-                finals[i] = output
-        done = [final for final in finals if final is not None and final.finished]
-        if len(done) < len(streams):
-            raise APIError(499, "the client disconnected")  # nobody is left to read this
-        choices = []
-        for i, final in enumerate(done):
-            for choice in final.outputs:
-                logprobs = None
-                if body.logprobs is not None:
-                    tokens = _prompt_logprobs(final) if body.echo else []
-                    tokens += [(lp.token_id, lp) for lp in choice.logprobs or []]
-                    logprobs = p.completion_logprobs(tokens, self._decode_token, 0)
-                choices.append(
-                    p.CompletionChoice(
-                        index=i * params.n + choice.index,
-                        text=echoes[i] + choice.text,
-                        logprobs=logprobs,
-                        finish_reason=choice.finish_reason,
-                    )
-                )
-        return _json(
-            p.CompletionResponse(id=request_id, model=body.model, choices=choices, usage=_usage(done))
-        )
-
-    async def _completion_events(
-        self,
-        request: Request,
-        request_id: str,
-        body: p.CompletionRequest,
-        n: int,
-        streams: list[RequestStream],
-        trackers: list[RequestTracker],
-        echoes: list[str],
-    ) -> AsyncIterator[str]:
+    async def _completion_chunks(
+        self, request_id: str, body: p.CompletionRequest, generation: _Generation
+    ) -> AsyncGenerator[p.CompletionResponse, None]:
         created = p.now()
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        finished: set[int] = set()  # choices whose last chunk went out
         text_offsets: dict[int, int] = {}  # per choice: where its next chunk's text starts
 
-        def chunk(choices: list[p.CompletionChoice], usage: p.Usage | None = None) -> str:
-            response = p.CompletionResponse(
+        def chunk(choices: list[p.CompletionChoice], usage: p.Usage | None = None) -> p.CompletionResponse:
+            return p.CompletionResponse(
                 id=request_id, created=created, model=body.model, choices=choices, usage=usage
             )
-            return _event(response)
 
-        async with _abort_on_exit(request, streams):
-            try:
-                async for i, output in _merge(streams):
-                    trackers[i].observe(output)
-                    first, finals[i] = finals[i] is None, output
-                    for choice in output.outputs:
-                        index = i * n + choice.index
-                        text, tokens = choice.delta_text, []
-                        if first:  # the echo goes first
-                            text = echoes[i] + text
-                            if body.echo and body.logprobs is not None:
-                                tokens = _prompt_logprobs(output)
-                        tokens += [(lp.token_id, lp) for lp in _new_logprobs(choice)]
-                        if text or tokens:
-                            logprobs = None
-                            if body.logprobs is not None:
-                                offset = text_offsets.get(index, 0)
-                                logprobs = p.completion_logprobs(tokens, self._decode_token, offset)
-                                text_offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
-                            yield chunk([p.CompletionChoice(index=index, text=text, logprobs=logprobs)])
-                        if choice.finish_reason is not None and index not in finished:
-                            finished.add(index)
-                            yield chunk(
-                                [p.CompletionChoice(index=index, text="", finish_reason=choice.finish_reason)]
-                            )
-                if any(stream.aborted for stream in streams):
-                    return
-                if body.include_usage:
-                    yield chunk([], usage=_usage([final for final in finals if final is not None]))
-            except Exception as exc:
-                yield _error_event(exc)
-            yield DONE_EVENT
+        async with contextlib.aclosing(generation.updates()) as updates:
+            async for update in updates:
+                choice = update.choice
+                text, tokens = choice.delta_text, []
+                if update.first and body.echo:  # the echo goes first
+                    text = self._prompt_text(update.output) + text
+                    if body.logprobs is not None:
+                        tokens = _prompt_logprobs(update.output)
+                tokens += [(lp.token_id, lp) for lp in _new_logprobs(choice)]
+                if text or tokens:
+                    logprobs = None
+                    if body.logprobs is not None:
+                        offset = text_offsets.get(update.index, 0)
+                        logprobs = p.completion_logprobs(tokens, self._decode_token, offset)
+                        text_offsets[update.index] = offset + sum(len(token) for token in logprobs.tokens)
+                    yield chunk([p.CompletionChoice(index=update.index, text=text, logprobs=logprobs)])
+                if (reason := update.finish_reason) is not None:
+                    yield chunk([p.CompletionChoice(index=update.index, text="", finish_reason=reason)])
+        if body.include_usage or not body.stream:  # a whole response always has its usage
+            yield chunk([], usage=generation.usage())
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
 
     # -- everything else ----------------------------------------------------------------------
 
     async def models(self) -> Response:
         card = p.ModelCard(
             id=self.model_name,
-            root=str(self.engine.engine.model_path),
+            root=str(self.engine.model_path),
             max_model_len=self.engine.max_model_len,
         )
         return _json(p.ModelList(data=[card]))
@@ -473,14 +486,6 @@ def _is_json(content_type: str | None) -> bool:
     return media_type == "application/json" or media_type.endswith("+json")
 
 
-def _usage(finals: Sequence[RequestOutput]) -> p.Usage:
-    return p.Usage.of(
-        prompt_tokens=sum(len(final.prompt_token_ids) for final in finals),
-        completion_tokens=sum(len(choice.token_ids) for final in finals for choice in final.outputs),
-        cached_tokens=sum(final.num_cached_tokens for final in finals),
-    )
-
-
 def _new_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
     """The logprobs of the tokens this output added to the choice."""
     num_tokens = len(choice.token_ids)
@@ -489,8 +494,8 @@ def _new_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
 
 def _prompt_logprobs(output: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
     """(token id, logprob) for each prompt token, for echo with logprobs."""
-    if output.prompt_logprobs is None:
-        raise InvalidRequestError("echo: echo together with logprobs is not supported yet", "echo")
+    # to_sampling_params asks for prompt logprobs whenever echo comes with logprobs.
+    assert output.prompt_logprobs is not None
     return list(zip(output.prompt_token_ids, output.prompt_logprobs, strict=True))
 
 

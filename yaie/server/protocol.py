@@ -97,14 +97,13 @@ class SamplingRequest(OpenAIModel):
 
     def _sampling_params(
         self,
-        vocab_size: int,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
-        given = {
+        given: dict[str, Any] = {  # SamplingParams' defaults stand for the fields left out
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -123,7 +122,7 @@ class SamplingRequest(OpenAIModel):
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                logit_bias=_token_bias(self.logit_bias or {}, vocab_size),
+                logit_bias=_token_bias(self.logit_bias or {}),
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -133,18 +132,16 @@ class SamplingRequest(OpenAIModel):
             raise self.translate_error(exc) from exc
 
 
-def _token_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
-    """OpenAI sends logit_bias keyed by token ids written as strings."""
+def _token_bias(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI sends logit_bias keyed by token ids written as strings. Whether an id is inside the
+    vocabulary is the engine's check, the one place that knows the vocabulary."""
     bias = {}
     for key, value in logit_bias.items():
         try:
             token_id = int(key)
-        except ValueError:
-            token_id = -1
-        if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(
-                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
-            )
+        except ValueError as exc:
+            message = f"logit_bias: keys must be token ids, got {key!r}"
+            raise InvalidRequestError(message, "logit_bias") from exc
         bias[token_id] = value
     return bias
 
@@ -162,7 +159,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         if self.tools:
             raise _unsupported("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -174,7 +171,6 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
         return self._sampling_params(
-            vocab_size,
             max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
@@ -194,14 +190,14 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         if self.suffix is not None:
             raise _unsupported("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "only best_of equal to n is supported")
         # Echoing the prompt with logprobs needs the prompt's logprobs too.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: OpenAI accepts one prompt or a batch, as text or token ids."""
@@ -211,8 +207,8 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, str):
             return [prompt]
         if isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+            return [prompt]
+        return list(prompt)
 
 
 class TokenizeRequest(OpenAIModel):
@@ -407,6 +403,78 @@ def completion_logprobs(
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
+
+
+# -- a stream's chunks, joined ----------------------------------------------------------------
+# The server builds every response as a stream of chunks; a response that is not streamed is
+# those chunks joined, so both kinds say exactly the same.
+
+
+def _usage_at_end(chunks: Sequence[ChatCompletionChunk] | Sequence[CompletionResponse]) -> Usage:
+    if not chunks or chunks[-1].usage is None:
+        raise ValueError("a response's chunks must end with one carrying the usage")
+    return chunks[-1].usage
+
+
+def join_chat_chunks(chunks: Sequence[ChatCompletionChunk]) -> ChatCompletionResponse:
+    """The whole chat completion that `chunks` stream: each choice's content and logprobs in
+    order, and its finish reason. The last chunk must carry the usage."""
+    usage = _usage_at_end(chunks)
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[ChatTokenLogprob]] = {}
+    finish_reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts.setdefault(choice.index, []).append(choice.delta.get("content", ""))
+            if choice.logprobs is not None:
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content)
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(content="".join(parts)),
+            logprobs=ChatLogprobs(content=logprobs[index]) if index in logprobs else None,
+            finish_reason=finish_reasons.get(index),
+        )
+        for index, parts in sorted(texts.items())
+    ]
+    first = chunks[0]
+    return ChatCompletionResponse(
+        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
+    )
+
+
+def join_completion_chunks(chunks: Sequence[CompletionResponse]) -> CompletionResponse:
+    """The whole text completion that `chunks` stream: each choice's text and logprobs columns
+    in order, and its finish reason. The last chunk must carry the usage."""
+    usage = _usage_at_end(chunks)
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, CompletionLogprobs] = {}
+    finish_reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts.setdefault(choice.index, []).append(choice.text)
+            if choice.logprobs is not None:
+                empty = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+                joined = logprobs.setdefault(choice.index, empty)
+                for column in CompletionLogprobs.model_fields:
+                    getattr(joined, column).extend(getattr(choice.logprobs, column))
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    choices = [
+        CompletionChoice(
+            index=index,
+            text="".join(parts),
+            logprobs=logprobs.get(index),
+            finish_reason=finish_reasons.get(index),
+        )
+        for index, parts in sorted(texts.items())
+    ]
+    first = chunks[0]
+    return CompletionResponse(
+        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
+    )
 
 
 # -- validation errors ------------------------------------------------------------------------
