@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from yaie.engine.model_runner import ModelRunner
 from yaie.engine.output_processor import OutputProcessor
 from yaie.engine.scheduler import Scheduler
 from yaie.engine.sequence import SequenceStatus
+from yaie.engine.step_log import StepLog
 from yaie.errors import InvalidRequestError
 from yaie.model.loader import load_model
 from yaie.outputs import RequestOutput
@@ -135,6 +137,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._ids = itertools.count()
+        self.step_log = StepLog()  # records steps only while the engine view watches
 
     def _max_model_len(self, num_blocks: int) -> int:
         cfg = self.model_config
@@ -166,6 +169,7 @@ class Engine:
                 # Any integer is a valid seed: fold it into the 64 bits a generator takes.
                 seq.generator = torch.Generator(self.device).manual_seed((params.seed + seq.index) % 2**64)
         self.scheduler.add(seqs[0], siblings=seqs[1:])
+        self.step_log.arrived(request_id)
         return request_id
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -235,10 +239,13 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        watched, started = self.step_log.watched, time.perf_counter()
         batch = self.scheduler.schedule()
         model_output = self.runner.execute(batch)
         sampling_batch = self.sampler.prepare(batch.sampling_seqs, self.device)
         sampled = self.sampler.sample(model_output.logits, sampling_batch)
         outputs = self.output_processor.process(batch, model_output, sampled)
         self.scheduler.update(batch)
+        if watched:
+            self.step_log.record(batch, started, self.scheduler)
         return outputs
