@@ -40,3 +40,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Set when the engine failed on this request (and on it alone): it is finished, and what it
+    # generated so far is all it will get.
+    error: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -9,6 +10,14 @@ from yaie.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily (as in vLLM). Dividing logits by less would overflow
+# float32 to infinity, whose softmax is NaN: there is no distribution left to draw from, and a
+# temperature this small means "the most likely token" anyway.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # top_k counts tokens; anything larger is no vocabulary's size
+FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+)  # fmt: skip
 
 
 @dataclass
@@ -40,9 +49,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
         self.validate()
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:
+        """Whether this request takes the most likely token: temperature 0, or below
+        GREEDY_TEMPERATURE (which __post_init__ turns into 0)."""
         return self.temperature == 0.0
 
     def ending_token_ids(self, eos_token_ids: Collection[int]) -> set[int]:
@@ -57,12 +70,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
+        # NaN compares false with everything, so it would slip through every range check below.
+        for name in FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, f"must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0.0:
             raise bad("temperature", f"must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", f"must be -1 (disabled) or a non-negative integer, got {self.top_k}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"must be -1 (disabled) or an integer in [0, {MAX_TOP_K}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -87,5 +104,5 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             if not isinstance(token_id, int) or token_id < 0:
                 raise bad("logit_bias", f"keys must be token ids, got {token_id!r}")
-            if not -100.0 <= bias <= 100.0:
+            if not -100.0 <= bias <= 100.0:  # also false for NaN
                 raise bad("logit_bias", f"biases must be in [-100, 100], got {bias}")

@@ -26,15 +26,15 @@ from jinja2 import TemplateError
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
 from yaie.config import EngineConfig
-from yaie.engine.model_runner import ModelRunner
+from yaie.engine.model_runner import ModelRunner, RunnerOutput
 from yaie.engine.output_processor import OutputProcessor
-from yaie.engine.scheduler import Scheduler
+from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import SequenceStatus
 from yaie.engine.step_log import StepLog
 from yaie.errors import InvalidRequestError
 from yaie.model.loader import load_model
 from yaie.outputs import RequestOutput
-from yaie.sampling.sampler import Sampler
+from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -241,11 +241,67 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         watched, started = self.step_log.watched, time.perf_counter()
         batch = self.scheduler.schedule()
-        model_output = self.runner.execute(batch)
-        sampling_batch = self.sampler.prepare(batch.sampling_seqs, self.device)
-        sampled = self.sampler.sample(model_output.logits, sampling_batch)
+        model_output, sampled = self._forward(batch)
         outputs = self.output_processor.process(batch, model_output, sampled)
         self.scheduler.update(batch)
         if watched:
             self.step_log.record(batch, started, self.scheduler)
         return outputs
+
+    def _forward(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput]:
+        """Run the model and draw the next tokens for the batch.
+
+        Neither touches a sequence's state (the K/V slots they write are written again, with
+        the same values, if a sequence runs again), so when the batch fails it can be redone
+        sequence by sequence: the one that still fails alone fails its request only, and is
+        dropped from the batch; everyone else gets exactly the tokens the whole batch would
+        have given them (seeded generators are rewound to where the step began)."""
+        seeded = [(s.generator, s.generator.get_state()) for s in batch.sampling_seqs if s.generator]
+        try:
+            return self._forward_batch(batch)
+        except Exception:
+            logger.exception("a step of %d sequences failed; retrying one at a time", len(batch.scheduled))
+        for generator, state in seeded:
+            generator.set_state(state)
+        survivors, results = [], []
+        for item in batch.scheduled:
+            try:
+                results.append(self._forward_batch(SchedulerOutput([item], [])))
+                survivors.append(item)
+            except Exception as exc:
+                request_id = item.seq.request_id
+                logger.exception("sequence %s failed alone: failing its request", item.seq.seq_id)
+                self.output_processor.fail(request_id, f"the engine failed on this request: {exc!r}")
+        # A failed request's other choices may have run fine: they go too.
+        kept = [
+            (item, out)
+            for item, out in zip(survivors, results, strict=True)
+            if not item.seq.status.finished
+        ]
+        batch.scheduled = [item for item, _ in kept]
+        return merge_forward_results([out for _, out in kept], self.device, self.model_config.vocab_size)
+
+    def _forward_batch(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput]:
+        model_output = self.runner.execute(batch)
+        sampling_batch = self.sampler.prepare(batch.sampling_seqs, self.device)
+        return model_output, self.sampler.sample(model_output.logits, sampling_batch)
+
+
+def merge_forward_results(
+    results: list[tuple[RunnerOutput, SamplerOutput]], device: torch.device, vocab_size: int
+) -> tuple[RunnerOutput, SamplerOutput]:
+    """One batch's results from those of its parts, in order."""
+    logits = [runner.logits for runner, _ in results]
+    model_output = RunnerOutput(
+        torch.cat(logits) if logits else torch.empty(0, vocab_size, device=device),
+        [entry for runner, _ in results for entry in runner.prompt_logits],
+    )
+    token_ids = [token for _, sampled in results for token in sampled.token_ids]
+    logprobs = None
+    if any(sampled.logprobs is not None for _, sampled in results):
+        logprobs = [
+            entry
+            for _, sampled in results
+            for entry in (sampled.logprobs or [None] * len(sampled.token_ids))
+        ]
+    return model_output, SamplerOutput(token_ids, logprobs)

@@ -8,10 +8,15 @@ request gets a `RequestOutput` with its choices' text, deltas and logprobs.
 
 While a stop string could still be forming at the end of a choice's text, that tail is held
 back, so a stream never shows part of a stop string.
+
+A failure while processing one request (a tokenizer error on some odd token, say) fails that
+request alone: it is finished with `RequestOutput.error` set, and the others carry on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -26,6 +31,8 @@ from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import SamplerOutput, prompt_logprobs
 from yaie.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: Collection[int], max_model_len: int) -> None:
@@ -33,6 +40,7 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # unfinished requests, by id
+        self._failed: list[RequestOutput] = []  # outputs of failed requests, for the next process()
 
     def new_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
@@ -54,18 +62,57 @@ class OutputProcessor:
         """Forget an unfinished request (an abort); returns it, or None if it is not known."""
         return self.requests.pop(request_id, None)
 
+    def fail(self, request_id: str, error: str) -> None:
+        """Finish a request with an error: its sequences are marked aborted (the scheduler
+        releases them when it records the step), and its last output, carrying `error`, goes
+        out with the next `process`."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for choice in request.choices:
+            choice.seq.status = SequenceStatus.FINISHED_ABORTED
+            choice.finish_reason = choice.finish_reason or SequenceStatus.FINISHED_ABORTED.value
+        self._failed.append(
+            RequestOutput(
+                request_id=request_id,
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                outputs=[],
+                finished=True,
+                error=error,
+            )
+        )
+
     def process(
         self, batch: SchedulerOutput, model_output: RunnerOutput, sampled: SamplerOutput
     ) -> list[RequestOutput]:
+        """Append the sampled tokens and make the outputs of every request the step touched,
+        then of every request failed since the last call."""
         for seq, first_target, logits in model_output.prompt_logits:
-            self._record_prompt_logprobs(self.requests[seq.request_id], first_target, logits)
+            with self._failing_alone(seq.request_id):
+                self._record_prompt_logprobs(self.requests[seq.request_id], first_target, logits)
         touched: dict[str, Request] = {}
         rows = zip(batch.sampling_seqs, sampled.token_ids, _row_logprobs(sampled), strict=True)
         for seq, token_id, logprob in rows:
-            request = self.requests[seq.request_id]
-            self._append_token(request, request.choices[seq.index], token_id, logprob)
-            touched[request.request_id] = request
-        return [self._make_output(request) for request in touched.values()]
+            with self._failing_alone(seq.request_id):
+                request = self.requests[seq.request_id]
+                self._append_token(request, request.choices[seq.index], token_id, logprob)
+                touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            with self._failing_alone(request.request_id):
+                outputs.append(self._make_output(request))
+        outputs, self._failed = outputs + self._failed, []
+        return outputs
+
+    @contextlib.contextmanager
+    def _failing_alone(self, request_id: str) -> Iterator[None]:
+        """Turn an error raised while processing one request into that request's failure."""
+        try:
+            yield
+        except Exception as exc:
+            logger.exception("processing the output of request %s failed", request_id)
+            self.fail(request_id, f"processing the output failed: {exc!r}")
 
     def _record_prompt_logprobs(self, request: Request, first_target: int, logits: torch.Tensor) -> None:
         known = request.prompt_logprobs
@@ -145,7 +192,7 @@ class OutputProcessor:
             )
             choice.num_sent_chars, choice.num_sent_tokens = visible, len(token_ids)
         if request.finished:
-            del self.requests[request.request_id]
+            self.requests.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

@@ -155,7 +155,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput) -> None:
         """After the step: record that the scheduled tokens' K/V are now in the cache, hand
         finished prompts to the prefix cache and to waiting siblings, and release the sequences
-        the step finished (their status was set when their new token was appended)."""
+        whose status says they are done (set when their new token was appended, or when their
+        request failed)."""
         for item in output.scheduled:
             seq = item.seq
             prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
@@ -166,16 +167,18 @@ class Scheduler:
             if prompt_left > 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._cache_computed_blocks(seq)
                 self._release_siblings(seq)
-        for item in output.scheduled:
-            if item.seq.status.finished and item.seq in self.running:
-                self.running.remove(item.seq)
-                self._release_siblings(item.seq)
-                self._release_blocks(item.seq)
+        # Release what the step finished, and any sequence of a request failed since the last
+        # step, in whichever queue it waits.
+        for queue in (self.running, self.waiting):
+            for seq in [seq for seq in queue if seq.status.finished]:
+                self.finish(seq, seq.status)
 
     def _release_siblings(self, source: Sequence) -> None:
         """Queue the siblings waiting for `source`'s prompt, sharing its computed blocks. The
         last prompt token is always recomputed, so each gets logits of its own to sample from."""
         for seq in self._siblings.pop(source, []):
+            if seq.status.finished:  # its request failed before it ever ran
+                continue
             seq.status = SequenceStatus.WAITING
             num_blocks = min(source.num_computed_tokens, seq.num_tokens - 1) // self.block_size
             if num_blocks == 0:

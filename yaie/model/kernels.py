@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp")
+    for name in (
+        "paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp", "quant_matmul.cpp", "quant_x86.cpp"
+    )
 ]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
 # -fopenmp: at::parallel_for is OpenMP inside torch's headers, and runs serially without it;

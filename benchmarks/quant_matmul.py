@@ -1,0 +1,117 @@
+"""The quantized matmul against the fp32 linear it replaces, at SmolLM2-135M's shapes, in one run.
+
+    python benchmarks/quant_matmul.py [--threads 2] [--rows 1 8 32 512] [--min-time 0.3]
+
+For each weight (K -> N, GGUF type as the bundled Q4_1 file stores it) and each number of
+activation rows M, three ways to compute y = x @ W.T:
+  * int8:  the activations quantized to int8, integer dot products (yaie.model.quant's kernel,
+           in the best ISA path here, or YAIE_QUANT_ISA's);
+  * tiles: W dequantized a tile of rows at a time, multiplied in fp32 by at::mm;
+  * fp32:  F.linear on the dequantized fp32 weight, packed for oneDNN as yaie/model/layers.py
+           does: what yaie runs today.
+The table gives the median ms per call and fp32's time over each quantized path's (> 1: faster
+than fp32). `DEQUANTIZED_FROM_ROWS` in yaie/model/quant.py picks between int8 and tiles from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench_utils import background_cores, cpu_sample, machine_info, make_console, write_report
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from rich.table import Table
+
+from yaie.model import kernels, quant
+from yaie.model.layers import Linear
+from yaie.model.quant import QuantizedLinear
+
+T = GGMLQuantizationType
+# name, K, N, type: SmolLM2-135M's linears with QKV and gate/up fused, as the GGUF stores them.
+SHAPES = [
+    ("qkv", 576, 960, T.Q4_1),
+    ("gate_up", 576, 3072, T.Q4_1),
+    ("down", 1536, 576, T.Q4_1),
+    ("o_proj", 576, 576, T.Q4_1),
+    ("lm_head", 576, 49152, T.Q8_0),
+]
+
+
+def random_blocks(ggml_type: GGMLQuantizationType, n: int, k: int) -> np.ndarray:
+    """Random GGUF blocks with small finite float16 scales (the timing does not depend on values)."""
+    gen = np.random.default_rng(0)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    raw = gen.integers(0, 256, (n, k // block_size, type_size), dtype=np.uint8)
+    for offset in (0, 2) if ggml_type == T.Q4_1 else (0,):
+        scale = (gen.standard_normal((n, k // block_size, 1)) * 0.01).astype(np.float16)
+        raw[..., offset : offset + 2] = scale.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def median_ms(fn: Callable[[], torch.Tensor], min_time: float) -> float:
+    fn()  # warm-up: first-touch of buffers, oneDNN primitive creation
+    times: list[float] = []
+    while sum(times) < min_time or len(times) < 3:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds of calls per measurement")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/quant_matmul.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    console = make_console()
+    if not kernels.load():
+        console.print("the native kernels did not build: nothing to measure")
+        return 1
+    isa = quant.isa()
+
+    table = Table(title=f"quantized matmul vs oneDNN fp32, {args.threads} threads, ISA {isa} (ms per call)")
+    for column in ("weight", "type", "M", "int8", "tiles", "fp32", "fp32/int8", "fp32/tiles", "bg cores"):
+        table.add_column(column, justify="left" if column in ("weight", "type") else "right")
+    rows = []
+    for name, k, n, ggml_type in SHAPES:
+        layer = QuantizedLinear.from_gguf(random_blocks(ggml_type, n, k), ggml_type, n, k)
+        dense = Linear(k, n)
+        dense.weight.data = layer.dequantize().contiguous()
+        dense.pack()
+        weight = (layer.qweight, layer.scales, layer.mins, None, n)
+        for m in args.rows:
+            x = torch.randn(m, k)
+            before = cpu_sample()
+            with torch.inference_mode():
+                int8 = median_ms(
+                    lambda x=x, w=weight: torch.ops.yaie.quant_matmul(x, *w, quant.ISAS.index(isa)),
+                    args.min_time,
+                )
+                tiles = median_ms(
+                    lambda x=x, w=weight: torch.ops.yaie.quant_matmul_dequantized(x, *w, quant.TILE_ROWS),
+                    args.min_time,
+                )
+                fp32 = median_ms(lambda x=x, dense=dense: dense(x), args.min_time)
+            busy = background_cores(before, cpu_sample())
+            rows.append(dict(weight=name, type=ggml_type.name, k=k, n=n, m=m, int8_ms=int8, tiles_ms=tiles,
+                             fp32_ms=fp32, background_cores=busy))
+            table.add_row(name, ggml_type.name, str(m), f"{int8:.3f}", f"{tiles:.3f}", f"{fp32:.3f}",
+                          f"{fp32 / int8:.2f}", f"{fp32 / tiles:.2f}", f"{busy:.2f}")
+    console.print(table)
+    report = {"machine": machine_info(), "isa": isa, "threads": args.threads, "rows": rows}
+    write_report(args.out, report, console)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

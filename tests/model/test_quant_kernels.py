@@ -1,0 +1,179 @@
+"""The quantized matmul kernels against PyTorch, for every weight format and every ISA path
+this CPU runs.
+
+Two references, both in float64 over the weights the `gguf` package dequantizes:
+  * exact: the activations quantized in Python exactly as the kernel does (int8 per 32-block,
+    scale max|x| / 127, rounding half to even). The kernel differs from it only by float32
+    rounding: |y - ref| <= 1e-5 * sum_k |x_q[k] * w[k]|, the sum of the terms' magnitudes (the
+    usual bound for a float32 sum; its K / 32 block terms need ~1e-6).
+  * loose: the plain activations. Quantizing moves each activation by at most half a step,
+    max|x_block| / 254, so |y - ref| <= sum over blocks of max|x_block| / 254 * sum |w| in the
+    block, plus the exact bound's rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from yaie.model import quant
+from yaie.model.quant import QuantizedLinear
+
+T = GGMLQuantizationType
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
+# The byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN).
+FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+
+# M, N, K: odd M and N (padded row groups), every M regime of the int8 kernel (blocks of four
+# rows and the remainder); K a multiple of 256 so that the K-quants fit too.
+SHAPES = [(1, 1, 256), (1, 37, 512), (3, 13, 256), (4, 8, 256), (7, 33, 768), (13, 64, 256)]
+
+
+def random_blocks(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+    """Random raw GGUF blocks: every quantized value and packed scale bit pattern, with finite
+    float16 scales of either sign."""
+    gen = np.random.default_rng(seed)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    raw = gen.integers(0, 256, (n, k // block_size, type_size), dtype=np.uint8)
+    for offset in FP16_FIELDS[ggml_type]:
+        scale = (gen.standard_normal((n, k // block_size, 1)) * 0.01).astype(np.float16)
+        raw[..., offset : offset + 2] = scale.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel quantizes it, dequantized in float64 (q * d is exact there)."""
+    blocks = x.view(x.shape[0], -1, quant.BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = torch.round(blocks * inverse).clamp(-127, 127)
+    return (q.double() * scale.double()).view_as(x)
+
+
+def random_activations(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    x[0, : quant.BLOCK] = 0  # an all-zero block: scale 0
+    return x
+
+
+def assert_within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
+    err = (y.double() - ref).abs()
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), f"error {err.view(-1)[worst]:.3g} > bound {bound.view(-1)[worst]:.3g}"
+
+
+@pytest.fixture(params=quant.ISAS)
+def isa(request, native_kernels, monkeypatch) -> str:
+    if request.param not in quant.available_isas():
+        pytest.skip(f"this CPU lacks {request.param} (it has {', '.join(quant.available_isas())})")
+    monkeypatch.setenv("YAIE_QUANT_ISA", request.param)
+    assert quant.isa() == request.param
+    return request.param
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_matmul_matches_reference_on_quantized_activations(ggml_type, shape, isa):
+    m, n, k = shape
+    raw = random_blocks(ggml_type, n, k, seed=m * n)
+    bias = torch.randn(n)
+    layer = QuantizedLinear.from_gguf(raw, ggml_type, n, k, bias=bias)
+    w = torch.from_numpy(dequantize(raw, ggml_type)).double()
+    x = random_activations(m, k, seed=k)
+
+    y = layer(x)
+
+    xq = quantized_activations(x)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert_within(y, xq @ w.T + bias.double(), 1e-5 * (xq.abs() @ w.abs().T + bias.double().abs()))
+    # Activation quantization error: half a step per value, max|x_block| / 254.
+    half_step = x.view(m, -1, quant.BLOCK).abs().amax(-1).double() / 254
+    block_w = w.abs().view(n, -1, quant.BLOCK).sum(-1)
+    exact = x.double() @ w.T + bias.double()
+    assert_within(y, exact, half_step @ block_w.T + 1e-5 * (x.double().abs() @ w.abs().T + bias.abs()))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels):
+    """From DEQUANTIZED_FROM_ROWS rows on, the activations are not quantized: fp32 rounding only.
+    N spans two tiles and a padded group."""
+    m, n, k = quant.DEQUANTIZED_FROM_ROWS + 3, quant.TILE_ROWS + 5, 512
+    raw = random_blocks(ggml_type, n, k, seed=7)
+    layer = QuantizedLinear.from_gguf(raw, ggml_type, n, k)
+    w = torch.from_numpy(dequantize(raw, ggml_type)).double()
+    x = random_activations(m, k, seed=3)
+
+    y = layer(x.view(1, m, k))
+
+    assert y.shape == (1, m, n)
+    assert_within(y[0], x.double() @ w.T, 1e-5 * (x.double().abs() @ w.abs().T))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
+    raw = random_blocks(ggml_type, 11, 512, seed=1)
+    layer = QuantizedLinear.from_gguf(raw.tobytes(), ggml_type, 11, 512)
+    assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_without_native_kernels_the_dequantized_weights_are_used(ggml_type, pytorch_only):
+    raw = random_blocks(ggml_type, 6, 256, seed=2)
+    layer = QuantizedLinear.from_gguf(raw, ggml_type, 6, 256)
+    x = random_activations(2, 256, seed=5)
+    w = torch.from_numpy(dequantize(raw, ggml_type))
+    assert quant.isa() == "none"
+    torch.testing.assert_close(layer(x), x @ w.T)
+
+
+@pytest.mark.parametrize(("scheme", "group_size"), [("int8", 32), ("int4", 32), ("int4", 128)])
+def test_quantize_dense_weight(scheme, group_size, isa):
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(19, 256, generator=gen)
+    layer = QuantizedLinear.quantize(weight, scheme, group_size)
+
+    w = layer.dequantize().double()
+    # Rounding to the nearest level: within half a step of the group's scale.
+    groups = weight.view(19, -1, group_size)
+    spread = groups.abs().amax(-1) / 127 if scheme == "int8" else (groups.amax(-1) - groups.amin(-1)) / 15
+    half_step = (spread / 2 * (1 + 1e-5)).repeat_interleave(group_size, dim=1)
+    assert bool(((w - weight.double()).abs() <= half_step).all())
+
+    x = random_activations(5, 256, seed=4)
+    xq = quantized_activations(x)
+    assert_within(layer(x), xq @ w.T, 1e-5 * (xq.abs() @ w.abs().T))
+
+
+def test_unsupported_type_names_itself_and_the_supported_ones():
+    with pytest.raises(ValueError, match=r"Q5_K.*supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+        QuantizedLinear.from_gguf(b"", T.Q5_K, 4, 256)
+
+
+@pytest.mark.parametrize(("ggml_type", "k"), [(T.Q4_K, 288), (T.Q8_0, 48)])
+def test_in_features_must_fill_whole_blocks(ggml_type, k):
+    with pytest.raises(ValueError, match=f"{ggml_type.name} packs .* in_features={k} is not a multiple"):
+        QuantizedLinear.from_gguf(b"", ggml_type, 4, k)
+
+
+def test_forcing_an_isa_this_cpu_lacks_says_which_it_has(native_kernels, monkeypatch):
+    missing = [name for name in quant.ISAS if name not in quant.available_isas()]
+    if not missing:
+        pytest.skip("this CPU has every ISA path")
+    monkeypatch.setenv("YAIE_QUANT_ISA", missing[0])
+    with pytest.raises(ValueError, match=f"YAIE_QUANT_ISA={missing[0]} is not available.*available: scalar"):
+        quant.isa()
+
+
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+def test_bfloat16_activations_come_back_in_bfloat16(path, request):
+    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
+    raw = random_blocks(T.Q4_1, 8, 256, seed=3)
+    layer = QuantizedLinear.from_gguf(raw, T.Q4_1, 8, 256)
+    x = random_activations(2, 256, seed=6).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, layer(x.float()).bfloat16())

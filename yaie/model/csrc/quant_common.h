@@ -1,0 +1,66 @@
+// The packed layout of quantized weights and the entry points of each ISA's matmul kernel.
+//
+// Weights are repacked once at load (yaie/model/quant.py) into what the kernels stream: rows in
+// groups of four, and for each group the 32-value blocks along K, the four rows' blocks next to
+// each other, so one group is one contiguous read:
+//
+//   4-bit  qweight uint8 [groups, K/32, 64]: two row pairs of 32 bytes; byte i of pair p holds
+//          value i of row 2p in its low nibble and value i of row 2p+1 in its high nibble, so
+//          one AND and one shift yield two rows' blocks. w = scale * q + min, q in 0..15.
+//   8-bit  qweight int8  [groups, K/32, 128]: the four rows' 32 values one after another.
+//          w = scale * q.
+//   scales float [groups, K/32, 4]: one per row and 32-block; or [groups, K/32, 8] for 8-bit
+//          weights scaled per 16 values (Q6_K): the four rows' first halves, then second halves.
+//   mins   float [groups, K/32, 4], 4-bit only.
+//
+// Rows past out_features (the last group's padding) have zero scales and mins.
+//
+// Activations are quantized per row to int8 in blocks of 32 (llama.cpp's Q8_0 / Q8_1): a scale
+// d per block and, for the 4-bit weights' min term, d * sum(q) per block.
+
+#pragma once
+
+#include <cstdint>
+
+namespace yaie_quant {
+
+constexpr int64_t kGroupRows = 4;
+constexpr int64_t kBlock = 32;
+
+struct PackedWeights {
+  const uint8_t* qweight;
+  const float* scales;
+  const float* mins;   // nullptr for 8-bit weights
+  int64_t groups;
+  int64_t blocks;      // K / 32
+  int bits;            // 4 or 8
+  int weight_block;    // values per scale: 32, or 16 (8-bit only)
+};
+
+struct QuantizedRows {
+  const int8_t* q;     // [rows, blocks * 32]
+  const float* d;      // [rows, blocks] scale per block
+  const float* s;      // [rows, blocks] d * sum of the block's q
+  int64_t rows;
+  int64_t blocks;
+};
+
+// Kernel paths, lowest first; the value is what the Python side passes as `isa`.
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+
+// y[m, 4g .. 4g+3] for every activation row m and group g in [first, last); y is [rows, ldy].
+using MatmulFn = void (*)(const PackedWeights&, const QuantizedRows&, int64_t first, int64_t last, float* y,
+                          int64_t ldy);
+
+void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                   int64_t ldy);
+#if defined(__x86_64__) || defined(__i386__)
+void matmul_avx2(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                 int64_t ldy);
+void matmul_avxvnni(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                    int64_t ldy);
+void matmul_avx512vnni(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                       int64_t ldy);
+#endif
+
+}  // namespace yaie_quant

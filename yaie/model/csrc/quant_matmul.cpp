@@ -1,0 +1,264 @@
+// Matmuls with quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x fp32, W packed as
+// quant_common.h describes (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K, or int8 / int4 quantized at
+// load, all repacked into two formats by yaie/model/quant.py).
+//
+// Few rows (decoding): each activation row is quantized once to int8 blocks of 32, then every
+// block is an integer dot product and one scale FMA (plus one for the min of 4-bit weights), in
+// the ISA path the caller names: scalar here, the SIMD ones in quant_x86.cpp. Decoding reads each
+// weight once per step, so reading 4-5 bits instead of 32 is what makes it fast.
+//
+// Many rows (prefill): the weights are dequantized a tile of rows at a time into a buffer that
+// stays in cache and multiplied with at::mm, whose fp32 GEMM is faster than the int8 kernel once
+// the dequantization is shared by enough rows (benchmarks/quant_matmul.py measures where).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "quant_common.h"
+
+namespace yaie_quant {
+
+void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                   int64_t ldy) {
+  const int64_t bytes = w.bits == 4 ? 64 : 128;
+  const int64_t scales_per_block = w.weight_block == 32 ? 4 : 8;
+  for (int64_t g = first; g < last; ++g) {
+    for (int64_t m = 0; m < x.rows; ++m) {
+      for (int64_t r = 0; r < kGroupRows; ++r) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < w.blocks; ++b) {
+          const int64_t wb = g * w.blocks + b;
+          const int64_t xb = m * x.blocks + b;
+          const uint8_t* qw = w.qweight + wb * bytes;
+          const int8_t* xq = x.q + xb * kBlock;
+          int32_t halves[2] = {0, 0};  // values 0-15 and 16-31
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const int32_t q = w.bits == 4 ? (qw[(r / 2) * 32 + i] >> (4 * (r % 2))) & 0x0F
+                                          : static_cast<int8_t>(qw[r * 32 + i]);
+            halves[i / 16] += q * xq[i];
+          }
+          const float* scale = w.scales + wb * scales_per_block;
+          if (w.weight_block == 32) {
+            acc += static_cast<float>(halves[0] + halves[1]) * (scale[r] * x.d[xb]);
+          } else {
+            acc += static_cast<float>(halves[0]) * (scale[r] * x.d[xb]);
+            acc += static_cast<float>(halves[1]) * (scale[4 + r] * x.d[xb]);
+          }
+          if (w.bits == 4) acc += w.mins[wb * 4 + r] * x.s[xb];
+        }
+        y[m * ldy + g * kGroupRows + r] = acc;
+      }
+    }
+  }
+}
+
+}  // namespace yaie_quant
+
+namespace {
+
+using namespace yaie_quant;
+
+bool isa_supported(int64_t isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case kScalar:
+      return true;
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvxVnni:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512vnni");
+    default:
+      return false;
+  }
+#else
+  return isa == kScalar;
+#endif
+}
+
+MatmulFn kernel_for(int64_t isa) {
+  TORCH_CHECK(isa_supported(isa), "quantized matmul: ISA path ", isa, " is not supported by this CPU");
+#if defined(__x86_64__) || defined(__i386__)
+  switch (isa) {
+    case kAvx2:
+      return matmul_avx2;
+    case kAvxVnni:
+      return matmul_avxvnni;
+    case kAvx512Vnni:
+      return matmul_avx512vnni;
+    default:
+      break;
+  }
+#endif
+  return matmul_scalar;
+}
+
+struct Activations {
+  at::Tensor q, d, s;
+};
+
+// Per row and 32-block: d = max|x| / 127, q = round(x / d), s = d * sum(q). fast-math is off
+// here: it may rewrite these divisions as reciprocal products, and the tests reproduce the
+// rounding exactly in PyTorch (q off by one on a tie would be an error far above fp32 rounding).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float scale = amax * (1.f / 127.f);
+    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inverse)));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+#pragma GCC pop_options
+
+Activations quantize_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), blocks = x.size(1) / kBlock;
+  Activations a{at::empty({rows, blocks * kBlock}, x.options().dtype(at::kChar)),
+                at::empty({rows, blocks}, x.options()), at::empty({rows, blocks}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* q = a.q.data_ptr<int8_t>();
+  float* d = a.d.data_ptr<float>();
+  float* s = a.s.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / x.size(1)), [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m) {
+      quantize_row(xp + m * blocks * kBlock, blocks, q + m * blocks * kBlock, d + m * blocks, s + m * blocks);
+    }
+  });
+  return a;
+}
+
+PackedWeights packed_view(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
+  TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous(), "qweight must be a contiguous [groups, K/32, bytes]");
+  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "scales must be a contiguous float32 [groups, K/32, 4 or 8]");
+  TORCH_CHECK(scales.size(0) == qweight.size(0) && scales.size(1) == qweight.size(1),
+              "scales and qweight disagree on groups or blocks");
+  PackedWeights w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), nullptr,
+                  qweight.size(0), qweight.size(1), 0, 32};
+  if (qweight.scalar_type() == at::kByte && qweight.size(2) == 64) {
+    w.bits = 4;
+    TORCH_CHECK(scales.size(2) == 4, "4-bit weights take one scale per 32 values");
+    TORCH_CHECK(mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous() &&
+                    mins->scalar_type() == at::kFloat,
+                "4-bit weights need float32 mins shaped like their scales");
+    w.mins = mins->data_ptr<float>();
+  } else {
+    TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(2) == 128,
+                "qweight must be uint8 [groups, K/32, 64] (4-bit) or int8 [groups, K/32, 128] (8-bit)");
+    TORCH_CHECK(scales.size(2) == 4 || scales.size(2) == 8, "8-bit weights take 4 or 8 scales per group block");
+    TORCH_CHECK(!mins.has_value(), "8-bit weights have no mins");
+    w.bits = 8;
+    w.weight_block = scales.size(2) == 4 ? 32 : 16;
+  }
+  return w;
+}
+
+at::Tensor finish(at::Tensor y, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(out_features <= y.size(1) && out_features > y.size(1) - kGroupRows,
+              "out_features does not match the packed weight's row groups");
+  if (out_features != y.size(1)) y = y.narrow(1, 0, out_features).contiguous();
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                        int64_t out_features, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be a contiguous float32 [M, K]");
+  const PackedWeights w = packed_view(qweight, scales, mins);
+  TORCH_CHECK(x.size(1) == w.blocks * kBlock, "x has ", x.size(1), " features, the weight ", w.blocks * kBlock);
+  const MatmulFn kernel = kernel_for(isa);
+  const Activations a = quantize_rows(x);
+  const QuantizedRows rows{a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), a.s.data_ptr<float>(), x.size(0), w.blocks};
+  at::Tensor y = at::empty({x.size(0), w.groups * kGroupRows}, x.options());
+  float* yp = y.data_ptr<float>();
+  // A chunk of at least ~64k multiply-adds: below that, waking the pool costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (x.size(0) * x.size(1) * kGroupRows));
+  at::parallel_for(0, w.groups, grain, [&](int64_t first, int64_t last) { kernel(w, rows, first, last, yp, y.size(1)); });
+  return finish(y, out_features, bias);
+}
+
+void dequantize_groups(const PackedWeights& w, int64_t first, int64_t last, float* out) {
+  const int64_t bytes = w.bits == 4 ? 64 : 128;
+  const int64_t scales_per_block = w.weight_block == 32 ? 4 : 8;
+  const int64_t k = w.blocks * kBlock;
+  at::parallel_for(first, last, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int64_t wb = g * w.blocks + b;
+        const uint8_t* qw = w.qweight + wb * bytes;
+        const float* scale = w.scales + wb * scales_per_block;
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          float* o = out + ((g - first) * kGroupRows + r) * k + b * kBlock;
+          if (w.bits == 4) {
+            const uint8_t* pair = qw + (r / 2) * 32;
+            const int shift = 4 * (r % 2);
+            const float min = w.mins[wb * 4 + r];
+            for (int64_t i = 0; i < kBlock; ++i) o[i] = scale[r] * static_cast<float>((pair[i] >> shift) & 0x0F) + min;
+          } else {
+            const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
+            for (int64_t i = 0; i < kBlock; ++i) {
+              const float s = w.weight_block == 32 ? scale[r] : scale[(i / 16) * 4 + r];
+              o[i] = s * static_cast<float>(q[i]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor quant_matmul_dequantized(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                    int64_t out_features, int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K]");
+  const PackedWeights w = packed_view(qweight, scales, mins);
+  TORCH_CHECK(x.size(1) == w.blocks * kBlock, "x has ", x.size(1), " features, the weight ", w.blocks * kBlock);
+  TORCH_CHECK(tile_rows > 0 && tile_rows % kGroupRows == 0, "tile_rows must be a positive multiple of 4");
+  const int64_t tile_groups = tile_rows / kGroupRows;
+  at::Tensor y = at::empty({x.size(0), w.groups * kGroupRows}, x.options());
+  at::Tensor tile = at::empty({tile_rows, x.size(1)}, x.options());
+  for (int64_t g = 0; g < w.groups; g += tile_groups) {
+    const int64_t groups = std::min(tile_groups, w.groups - g);
+    at::Tensor t = tile.narrow(0, 0, groups * kGroupRows);
+    dequantize_groups(w, g, g + groups, t.data_ptr<float>());
+    y.narrow(1, g * kGroupRows, groups * kGroupRows).copy_(at::mm(x, t.t()));
+  }
+  return finish(y, out_features, bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(yaie, m) {
+  m.def("quant_isa_supported(int isa) -> bool", &isa_supported);
+  m.def(
+      "quant_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, int isa) "
+      "-> Tensor");
+  m.def(
+      "quant_matmul_dequantized(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, "
+      "int out_features, int tile_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(yaie, CPU, m) {
+  m.impl("quant_matmul", &quant_matmul);
+  m.impl("quant_matmul_dequantized", &quant_matmul_dequantized);
+}

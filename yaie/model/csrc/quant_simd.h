@@ -1,0 +1,91 @@
+// The 256-bit SIMD matmul over packed weights (layout: quant_common.h), written once and
+// included by quant_x86.cpp once per ISA, inside that ISA's `#pragma GCC target` region and
+// namespace; so no include guard. The includer defines, before the include:
+//
+//   __m256i dot_u8_i8(__m256i u, __m256i s)  // 32 unsigned x 32 signed bytes -> 8 int32 lanes,
+//                                            // lane k the sum of products 4k .. 4k+3
+//
+// which is maddubs + madd on AVX2 and one vpdpbusd with VNNI; everything else is AVX2.
+
+// The four rows' block dot products as 8 int32 lanes: lanes 0-3 the rows' values 0-15, lanes
+// 4-7 their values 16-31 (hadd keeps the 128-bit halves apart). With per-32 scales both halves
+// take the same scale; with per-16 scales (Q6_K) each its own, at no extra cost.
+static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weights) {
+  __m256i d[4];
+  for (int r = 0; r < 4; ++r) {
+    // maddubs and vpdpbusd multiply unsigned by signed bytes: signed weights move their sign
+    // onto the activation (|w| <= 128 and |x| <= 127, so pairs stay within int16).
+    d[r] = signed_weights ? dot_u8_i8(_mm256_sign_epi8(w[r], w[r]), _mm256_sign_epi8(x, w[r]))
+                          : dot_u8_i8(w[r], x);
+  }
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+}
+
+// One group of four weight rows against kRows activation rows starting at m: the weights are
+// unpacked once per block and used for every row, the register blocking of the many-row case.
+template <int kBits, int kWeightBlock, int kRows>
+static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
+                              int64_t ldy) {
+  constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
+  constexpr int64_t kScales = kWeightBlock == 32 ? 4 : 8;
+  const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
+  const float* scales = w.scales + g * w.blocks * kScales;
+  const float* mins = kBits == 4 ? w.mins + g * w.blocks * 4 : nullptr;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m256i wq[4];
+    if constexpr (kBits == 4) {
+      const __m256i pair01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBytes));
+      const __m256i pair23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBytes + 32));
+      wq[0] = _mm256_and_si256(pair01, nibble);
+      wq[1] = _mm256_and_si256(_mm256_srli_epi16(pair01, 4), nibble);
+      wq[2] = _mm256_and_si256(pair23, nibble);
+      wq[3] = _mm256_and_si256(_mm256_srli_epi16(pair23, 4), nibble);
+    } else {
+      for (int r = 0; r < 4; ++r) {
+        wq[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBytes + 32 * r));
+      }
+    }
+    const __m256 scale = kWeightBlock == 32
+                             ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scales + b * 4))
+                             : _mm256_loadu_ps(scales + b * 8);
+    // The min term is added once per row: in the low half only.
+    const __m256 min = kBits == 4 ? _mm256_insertf128_ps(_mm256_setzero_ps(), _mm_loadu_ps(mins + b * 4), 0)
+                                  : _mm256_setzero_ps();
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t xb = (m + r) * x.blocks + b;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + xb * kBlock));
+      const __m256i dots = dot_4rows(wq, xq, kBits == 8);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[xb])), acc[r]);
+      if constexpr (kBits == 4) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s[xb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    _mm_storeu_ps(y + (m + r) * ldy + g * 4, sum);
+  }
+}
+
+template <int kBits, int kWeightBlock>
+static void groups_all_rows(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                            int64_t ldy) {
+  for (int64_t g = first; g < last; ++g) {
+    int64_t m = 0;
+    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kWeightBlock, 4>(w, x, g, m, y, ldy);
+    for (; m < x.rows; ++m) group_rows<kBits, kWeightBlock, 1>(w, x, g, m, y, ldy);
+  }
+}
+
+static void matmul_impl(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                        int64_t ldy) {
+  if (w.bits == 4) {
+    groups_all_rows<4, 32>(w, x, first, last, y, ldy);
+  } else if (w.weight_block == 32) {
+    groups_all_rows<8, 32>(w, x, first, last, y, ldy);
+  } else {
+    groups_all_rows<8, 16>(w, x, first, last, y, ldy);
+  }
+}
