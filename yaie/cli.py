@@ -227,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
     )
     async_engine = AsyncEngine(lambda: Engine(config))
-    name = args.served_model_name or args.model or Path(async_engine.engine.model_path).stem
+    name = args.served_model_name or args.model or Path(async_engine.engine.model_info.path).stem
     app = build_app(async_engine, name, api_key=args.api_key, max_waiting=args.max_waiting)
     server_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
@@ -251,7 +251,7 @@ class Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             console.print(
                 f"[bold green]yaie[/] serving [bold]{escape(self.model_name)}[/] "
-                f"({escape(str(self.async_engine.engine.model_path))}) at http://{host}:{port}/v1"
+                f"({escape(str(self.async_engine.engine.model_info.path))}) at http://{host}:{port}/v1"
             )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -276,7 +276,7 @@ class LocalChat:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.engine = Engine(_engine_config(args))
-        self.name = Path(self.engine.model_path).stem
+        self.name = Path(self.engine.model_info.path).stem
 
     def stream(self, messages: list[dict[str, str]], max_tokens: int, temperature: float) -> Iterator[str]:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)

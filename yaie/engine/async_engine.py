@@ -157,6 +157,8 @@ class AsyncEngine:
     async def snapshot(self) -> dict[str, Any]:
         """The engine's state for the engine view (yaie/engine/snapshot.py), taken between two
         steps. Asking for it keeps the engine's step log recording for a few seconds."""
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
 
         def take(engine: Engine) -> dict[str, Any]:
             engine.step_log.watch()

@@ -383,7 +383,7 @@ class OpenAIServer:
     async def models(self) -> Response:
         card = p.ModelCard(
             id=self.model_name,
-            root=str(self.engine.engine.model_path),
+            root=str(self.engine.engine.model_info.path),
             max_model_len=self.engine.max_model_len,
         )
         return _json(p.ModelList(data=[card]))

@@ -12,7 +12,8 @@ which is why they read event streams with fetch() rather than EventSource (it ca
 
 However many pages watch, one `SnapshotFeed` takes one snapshot per interval on the engine
 thread and serializes it once; every stream sends those same bytes. While no stream is open it
-takes none, and the engine's step log stops recording a few seconds later.
+takes none, and the engine's step log stops recording a few seconds later. When the engine
+shuts down the streams end, so that open pages do not hold up the server's exit.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import Response, StreamingResponse
 
-from yaie.engine.async_engine import AsyncEngine
+from yaie.engine.async_engine import AsyncEngine, EngineClosedError
 
 SNAPSHOT_INTERVAL_S = 0.25
 STATIC_DIR = resources.files("yaie.server") / "static"
@@ -42,24 +43,29 @@ class SnapshotFeed:
     def __init__(self, engine: AsyncEngine, interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
         self.engine = engine
         self.interval_s = interval_s
-        self._changed = asyncio.Condition()
-        self._latest: bytes | None = None
+        self._latest: bytes | None = None  # the newest event
+        self._published = asyncio.Event()  # set, and replaced, at each new event
+        self._ended = False  # no more events: the engine is shutting down
         self._num_watchers = 0
         self._task: asyncio.Task[None] | None = None
 
     async def stream(self) -> AsyncIterator[bytes]:
-        """Each new snapshot as one SSE event, for as long as the caller iterates."""
+        """Each new snapshot as one SSE event, for as long as the caller iterates, or until
+        the engine shuts down."""
         self._num_watchers += 1
-        if self._task is None or self._task.done():
+        if self._task is None:
+            self._latest, self._ended = None, False
             self._task = asyncio.create_task(self._run())
         try:
             sent: bytes | None = None
             while True:
-                async with self._changed:
-                    while self._latest is None or self._latest is sent:
-                        await self._changed.wait()
+                if self._latest is not None and self._latest is not sent:
                     sent = self._latest
-                yield sent
+                    yield sent
+                elif self._ended:
+                    return
+                else:
+                    await self._published.wait()
         finally:
             self._num_watchers -= 1
 
@@ -68,16 +74,20 @@ class SnapshotFeed:
             while self._num_watchers:
                 try:
                     snapshot = await self.engine.snapshot()
-                except Exception as exc:  # the engine is shutting down: say so, and try again
-                    snapshot = {"error": f"no snapshot: {exc}"}
-                data = b"data: " + _dumps(snapshot) + b"\n\n"
-                async with self._changed:
-                    self._latest = data
-                    self._changed.notify_all()
+                except EngineClosedError as exc:
+                    self._publish({"error": str(exc)})
+                    return
+                self._publish(snapshot)
                 await asyncio.sleep(self.interval_s)
         finally:
-            self._latest = None
-            self._task = None
+            self._ended, self._task = True, None
+            self._publish(None)
+
+    def _publish(self, snapshot: dict[str, Any] | None) -> None:
+        if snapshot is not None:
+            self._latest = b"data: " + _dumps(snapshot) + b"\n\n"
+        self._published.set()
+        self._published = asyncio.Event()
 
 
 def web_router(engine: AsyncEngine) -> APIRouter:

@@ -12,6 +12,7 @@ const SETTING_FIELDS = ["system-prompt", "temperature", "top-p", "max-tokens", "
 let conversations = JSON.parse(localStorage.getItem(CONVERSATIONS) ?? "[]");
 let current = null; // the conversation on screen
 let inFlight = null; // the AbortController of the answer streaming now
+let modelName = null; // what the server calls its model; requests must name it
 
 const $ = (id) => document.getElementById(id);
 
@@ -83,7 +84,8 @@ function remove(conversation) {
 
 function messageElement(message) {
   const content = h("div", { class: "content" });
-  const element = h("div", { class: `message ${message.role}` }, content);
+  // An assistant message is "done" unless `send` is streaming it.
+  const element = h("div", { class: `message ${message.role}${message.role === "assistant" ? " done" : ""}` }, content);
   fillMessage(element, message);
   return element;
 }
@@ -112,7 +114,7 @@ async function send(text) {
   save();
   showConversation();
   const element = $("messages").lastElementChild;
-  element.classList.add("streaming");
+  element.classList.replace("done", "streaming");
 
   inFlight = new AbortController();
   $("send").hidden = true;
@@ -122,11 +124,12 @@ async function send(text) {
   let lastTokenAt = null;
   let usage = null;
   try {
+    modelName ??= await fetchModelName();
     const response = await apiFetch("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({
-        messages: history, stream: true, stream_options: { include_usage: true }, ...samplingFields(),
+        model: modelName, messages: history, stream: true, stream_options: { include_usage: true }, ...samplingFields(),
       }),
       signal: inFlight.signal,
     });
@@ -171,6 +174,12 @@ function statsLine(usage, started, firstTokenAt, lastTokenAt) {
     `${cached} of ${usage.prompt_tokens} prompt tokens cached`;
 }
 
+async function fetchModelName() {
+  const response = await apiFetch("/v1/models");
+  if (!response.ok) throw new Error(await errorMessage(response));
+  return (await response.json()).data[0].id;
+}
+
 // -- wiring --------------------------------------------------------------------------------
 
 $("composer").addEventListener("submit", (event) => {
@@ -197,5 +206,8 @@ if (conversations.length) {
 } else {
   newConversation();
 }
-// Ask for the key now, rather than after the first message.
-apiFetch("/v1/models").catch((error) => console.warn("cannot reach the server:", error));
+// Now, rather than with the first message: this is also when the page asks for the key.
+fetchModelName().then(
+  (name) => { modelName = name; document.title = `yaie · chat · ${name}`; },
+  (error) => console.warn("cannot reach the server:", error),
+);
