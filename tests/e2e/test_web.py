@@ -25,7 +25,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "img"
-ANSWER_TIMEOUT_MS = 180_000  # the CI machine may be busy
+ANSWER_TIMEOUT_MS = 400_000  # the machine may be busy: answers have come at 0.6 tok/s
 API_KEY = "web-test-key"
 
 
@@ -113,7 +113,7 @@ class BackgroundStream:
 def test_chat_streams_the_greedy_answer_of_the_api(page: Page, server: Server, client: openai.OpenAI) -> None:
     question = "Write a short Python function that adds two numbers."
     page.goto(f"{server.base_url}/")
-    set_settings(page, temperature="0", **{"max-tokens": "96"})
+    set_settings(page, temperature="0", **{"max-tokens": "64"})
     ask(page, question)
     # Part of the answer shows before all of it: it streams.
     page.wait_for_function(
@@ -123,7 +123,7 @@ def test_chat_streams_the_greedy_answer_of_the_api(page: Page, server: Server, c
     answer = page.locator(".message.assistant.done").last
     expect(answer).to_be_visible(timeout=ANSWER_TIMEOUT_MS)
     expected = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=96
+        model=MODEL, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=64
     )
     assert answer.get_attribute("data-text") == expected.choices[0].message.content
     if "```" in (expected.choices[0].message.content or ""):
