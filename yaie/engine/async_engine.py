@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from yaie.engine.engine import Engine, EngineStats
+from yaie.engine.snapshot import engine_snapshot
 from yaie.errors import YaieError
 from yaie.outputs import RequestOutput
 from yaie.sampling_params import SamplingParams
@@ -156,6 +157,18 @@ class AsyncEngine:
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return await self._call(lambda engine: engine.encode_chat(messages))
+
+    async def snapshot(self) -> dict[str, Any]:
+        """The engine's state for the engine view (yaie/engine/snapshot.py), taken between two
+        steps. Asking for it keeps the engine's step log recording for a few seconds."""
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
+
+        def take(engine: Engine) -> dict[str, Any]:
+            engine.step_log.watch()
+            return engine_snapshot(engine)
+
+        return await self._call(take)
 
     @property
     def is_running(self) -> bool:

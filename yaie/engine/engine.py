@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from yaie.engine.model_runner import ModelRunner, RunnerOutput
 from yaie.engine.output_processor import OutputProcessor
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import SequenceStatus
+from yaie.engine.step_log import StepLog
 from yaie.errors import InvalidRequestError
 from yaie.model.loader import LoadProgress, load_model
 from yaie.outputs import RequestOutput
@@ -138,6 +140,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._ids = itertools.count()
+        self.step_log = StepLog()  # records steps only while the engine view watches
 
     def _max_model_len(self, num_blocks: int) -> int:
         cfg = self.model_config
@@ -169,6 +172,7 @@ class Engine:
                 # Any integer is a valid seed: fold it into the 64 bits a generator takes.
                 seq.generator = torch.Generator(self.device).manual_seed((params.seed + seq.index) % 2**64)
         self.scheduler.add(seqs[0], siblings=seqs[1:])
+        self.step_log.arrived(request_id)
         return request_id
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -238,10 +242,13 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        watched, started = self.step_log.watched, time.perf_counter()
         batch = self.scheduler.schedule()
         model_output, sampled = self._forward(batch)
         outputs = self.output_processor.process(batch, model_output, sampled)
         self.scheduler.update(batch)
+        if watched:
+            self.step_log.record(batch, started, self.scheduler)
         return outputs
 
     def _forward(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput]:

@@ -46,10 +46,11 @@ from yaie.errors import InvalidRequestError, YaieError
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.server import protocol as p
 from yaie.server.metrics import RequestTracker, ServerMetrics
+from yaie.server.web import PAGE_PATHS, web_router
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})  # open even with an API key
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"}) | PAGE_PATHS  # open even with an API key
 RETRY_AFTER_SECONDS = 1
 
 
@@ -451,6 +452,7 @@ def build_app(
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus_metrics, methods=["GET"])
+    app.include_router(web_router(async_engine))
 
     # Errors we raise on purpose are simply answered. Anything else reaches the catch-all, whose
     # answer Starlette sends and then re-raises the error, so the server's log has the traceback.
