@@ -15,6 +15,10 @@ pytestmark = pytest.mark.slow
 
 def test_snapshot_follows_a_request_from_prefill_to_the_prefix_cache(llm: LLM) -> None:
     engine = llm.engine
+    # The tree view lists at most TREE_NODES nodes: start from an empty cache, so the nodes other
+    # tests left behind cannot crowd this request's node out of the view.
+    assert engine.scheduler.prefix_cache is not None
+    engine.scheduler.prefix_cache.reset()
     block_size = engine.config.block_size
     prompt = list(range(1000, 1000 + 3 * block_size + 5))  # 3 full blocks and a partial one
     engine.step_log.watch()
