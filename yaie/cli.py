@@ -33,7 +33,7 @@ from yaie.engine.engine import Engine
 from yaie.errors import InvalidRequestError, YaieError
 from yaie.model.loader import LoadProgress
 from yaie.sampling_params import SamplingParams
-from yaie.server.app import build_app
+from yaie.server.app import ServerLimits, build_app
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
@@ -179,6 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="answer 429 when this many sequences already wait",
     )
+    limits = ServerLimits()
+    env.add(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=str(limits.max_request_bytes),
+        help="answer 413 for a bigger request body, e.g. 8MiB",
+    )
+    env.add(
+        "--max-seqs-per-request",
+        type=_positive_int,
+        default=limits.max_seqs_per_request,
+        help="most sequences (prompts x n) one request may run",
+    )
+    env.add(
+        "--default-max-tokens",
+        type=_positive_int,
+        default=limits.default_max_tokens,
+        help="max_tokens of a request that leaves it out, cut to the context the prompt leaves "
+        "(vLLM's default is the whole rest of the context)",
+    )
+    env.add(
+        "--timeout-keep-alive",
+        type=_positive_int,
+        default=5,
+        help="seconds an idle keep-alive connection is kept open",
+    )
     serve.set_defaults(run=run_serve)
 
     chat = commands.add_parser("chat", help="chat in the terminal, with a local model or a server")
@@ -266,9 +292,23 @@ def run_serve(args: argparse.Namespace) -> int:
     with _loading_bar() as progress:
         async_engine = AsyncEngine(lambda: Engine(config, load_progress=progress))
     name = args.served_model_name or args.model or Path(async_engine.model_path).stem
-    app = build_app(async_engine, name, api_key=args.api_key, max_waiting=args.max_waiting)
+    limits = ServerLimits(
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        max_seqs_per_request=args.max_seqs_per_request,
+        default_max_tokens=args.default_max_tokens,
+    )
+    app = build_app(async_engine, name, api_key=args.api_key, limits=limits)
     server_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        # Closes a connection idle this long after a response. uvicorn has no timeout for a
+        # request's headers (slowloris); what bounds them is h11's cap on their size (16 KiB,
+        # its default), and the body is bounded by LimitRequestBytes.
+        timeout_keep_alive=args.timeout_keep_alive,
     )
     Server(server_config, async_engine, name).run()
     async_engine.shutdown()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
@@ -18,6 +18,7 @@ from yaie.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    TokenizeRequest,
     Usage,
     chat_logprobs,
     completion_logprobs,
@@ -101,6 +102,43 @@ def test_missing_field_message() -> None:
 def test_union_errors_name_the_deepest_branch() -> None:
     assert validation_error(CompletionRequest, {"model": "m", "prompt": ["a", 1]}).param == "prompt[1]"
     assert validation_error(CompletionRequest, {"model": "m", "prompt": 5}).param == "prompt"
+
+
+LONE = "\ud800"  # what the JSON escape \\ud800 decodes to: not encodable as UTF-8
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        (CompletionRequest, {"model": "m", "prompt": f"Hi {LONE}"}, "prompt"),
+        (CompletionRequest, {"model": "m", "prompt": ["ok", LONE]}, "prompt[1]"),
+        (CompletionRequest, {"model": "m", "prompt": "Hi", "stop": LONE}, "stop"),
+        (CompletionRequest, {"model": "m", "prompt": "Hi", "stop": ["ok", "\udfff"]}, "stop[1]"),
+        (
+            ChatCompletionRequest,
+            {"model": "m", "messages": [{"role": "user", "content": LONE}]},
+            "messages[0].content",
+        ),
+        (
+            ChatCompletionRequest,
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+            "messages[0].content[0].text",
+        ),
+        (ChatCompletionRequest, {"model": LONE, "messages": HELLO}, "model"),
+        (TokenizeRequest, {"prompt": LONE}, "prompt"),
+    ],
+)
+def test_lone_surrogates_are_refused_by_field(model: type[BaseModel], body: Any, param: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(body)
+    error = describe_validation_error(raised.value.errors())
+    assert error.param == param
+    assert error.message.startswith(f"{param}: invalid Unicode: a lone surrogate at position ")
+
+
+def test_valid_non_ascii_text_is_kept() -> None:
+    text = "naïve 日本語 🙂"
+    assert completion(prompt=text, stop=[text]).prompt == text
 
 
 def test_fastapi_errors() -> None:

@@ -1,7 +1,7 @@
 """`AsyncEngine`: the synchronous Engine behind an asyncio API, for the server.
 
 The Engine is not thread-safe, so one background thread owns it. That thread loops: run the
-commands queued by the event loop (add, abort, tokenize, ...), `step()` if anything is
+commands queued by the event loop (add, abort, ...), `step()` if anything is
 unfinished, and hand each output to its request's `asyncio.Queue` on the event loop. With
 nothing to do it sleeps on a condition variable, so an idle server costs no CPU.
 
@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Prompt = str | list[int]
+MAX_QUEUED_OUTPUTS = 1024  # per stream; each output is one step's tokens for every choice
+TOKENIZER_THREADS = 2  # enough that one huge input does not hold up everyone else's
 
 
 class EngineOverloadedError(YaieError):
@@ -55,15 +57,21 @@ class RequestStream:
     """The outputs of one request, in order, ending with the finished one.
 
     Lives on the event loop: iterate it from there, and `close()` it from there.
+
+    At most MAX_QUEUED_OUTPUTS outputs wait to be read: a reader that falls that far behind (its
+    client stopped reading, and the server's writes to it block) is treated as gone, and the
+    request is aborted (`overflowed`), rather than letting one client grow the server's memory
+    for as long as its request runs.
     """
 
     def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
         self._engine = engine
         # None is the wake-up sent by close(); an exception ends the stream with that error.
-        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue(MAX_QUEUED_OUTPUTS)
         self._done = False  # nothing more will be returned
         self.aborted = False  # closed before the request finished
+        self.overflowed = False  # aborted because its reader fell MAX_QUEUED_OUTPUTS behind
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -86,11 +94,17 @@ class RequestStream:
             return
         self._done = self.aborted = True
         self._engine._abort(self.request_id)
-        self._queue.put_nowait(None)
+        if not self._queue.full():  # a reader waits only on an empty queue
+            self._queue.put_nowait(None)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        if not self._done:  # after close(), late outputs have no reader
-            self._queue.put_nowait(item)
+        if self._done:  # after close(), late outputs have no reader
+            return
+        if self._queue.full():
+            self.overflowed = True
+            self.close()
+            return
+        self._queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -108,6 +122,9 @@ class AsyncEngine:
         self._stopping = False  # guarded by _wakeup
         self._closed = False  # event-loop side: refuse new requests
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="yaie-tokenize"
+        )
         built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run, args=(make_engine, built), name="yaie-engine", daemon=True
@@ -127,18 +144,51 @@ class AsyncEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams, max_waiting: int | None = None
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError, EngineClosedError, or EngineOverloadedError
-        when `max_waiting` sequences (if given) already wait to be admitted."""
-        return await self._add(request_id, lambda engine: prompt, params, max_waiting)
+        (see add_requests). A text prompt is tokenized off the engine thread first."""
+        token_ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
+        (stream,) = await self.add_requests([(request_id, token_ids)], params, max_waiting)
+        return stream
 
-    async def add_chat_request(
+    async def add_requests(
         self,
-        request_id: str,
-        messages: list[dict[str, Any]],
+        requests: Sequence[tuple[str, list[int]]],
         params: SamplingParams,
         max_waiting: int | None = None,
-    ) -> RequestStream:
-        """Like add_request, with the prompt built from `messages` by the model's chat template."""
-        return await self._add(request_id, lambda engine: engine.encode_chat(messages), params, max_waiting)
+    ) -> list[RequestStream]:
+        """Queue (request id, prompt token ids) pairs together: all of them, or none.
+
+        `max_waiting` counts sequences, every choice of every request: EngineOverloadedError
+        (retry later) when these would push the number waiting past it.
+        """
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
+        num_seqs = len(requests) * params.n
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(request_id, self) for request_id, _ in requests]
+
+        def add(engine: Engine) -> None:
+            # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
+            if max_waiting is not None and engine.stats().num_waiting + num_seqs > max_waiting:
+                raise EngineOverloadedError(f"{max_waiting} sequences are already waiting; retry later")
+            added: list[str] = []
+            try:
+                for (request_id, token_ids), stream in zip(requests, streams, strict=True):
+                    engine.add_request(request_id, token_ids, params)
+                    added.append(request_id)
+                    self._streams[request_id] = (loop, stream)
+            except BaseException:
+                for request_id in added:
+                    self._streams.pop(request_id, None)
+                    engine.abort(request_id)
+                raise
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            for stream in streams:
+                stream.close()  # the add may have happened just before the caller went away
+            raise
+        return streams
 
     async def generate(
         self, request_id: str, prompt: Prompt, params: SamplingParams
@@ -151,12 +201,25 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    # Tokenizing runs on a small pool of its own threads, never on the engine's or the event
+    # loop's: the Rust tokenizer releases the GIL, so a huge input costs only its own request.
+    # These only read the tokenizer, as the engine thread does when it detokenizes.
+
     async def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, exactly as a prompt string would be tokenized."""
-        return await self._call(lambda engine: list(engine.tokenizer(text).input_ids))
+        """Token ids of `text`, exactly as the engine tokenizes a prompt string."""
+        return await self._off_thread(lambda: list(self.tokenizer(text).input_ids))
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._call(lambda engine: engine.encode_chat(messages))
+        """Token ids of a conversation through the model's chat template (Engine.encode_chat)."""
+        return await self._off_thread(lambda: self._engine.encode_chat(messages))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._off_thread(lambda: self.tokenizer.decode(token_ids))
+
+    async def _off_thread(self, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
 
     async def snapshot(self) -> dict[str, Any]:
         """The engine's state for the engine view (yaie/engine/snapshot.py), taken between two
@@ -186,32 +249,7 @@ class AsyncEngine:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join(timeout)
-
-    async def _add(
-        self,
-        request_id: str,
-        build_prompt: Callable[[Engine], Prompt],
-        params: SamplingParams,
-        max_waiting: int | None,
-    ) -> RequestStream:
-        if self._closed:
-            raise EngineClosedError("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self)
-
-        def add(engine: Engine) -> None:
-            # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
-            if max_waiting is not None and engine.stats().num_waiting >= max_waiting:
-                raise EngineOverloadedError(f"{max_waiting} requests are already waiting; retry later")
-            engine.add_request(request_id, build_prompt(engine), params)
-            self._streams[request_id] = (loop, stream)
-
-        try:
-            await self._call(add)
-        except asyncio.CancelledError:
-            stream.close()  # the add may have happened just before the caller went away
-            raise
-        return stream
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread, between two steps, and return its result."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -32,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import yaie
 from yaie.engine.async_engine import (
@@ -44,6 +45,7 @@ from yaie.engine.async_engine import (
 )
 from yaie.errors import InvalidRequestError, YaieError
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from yaie.sampling_params import SamplingParams
 from yaie.server import protocol as p
 from yaie.server.metrics import RequestTracker, ServerMetrics
 from yaie.server.web import PAGE_PATHS, web_router
@@ -99,20 +101,71 @@ class RequireAPIKey:
     """ASGI middleware: without `Authorization: Bearer <key>`, only PUBLIC_PATHS answer.
 
     Checked before anything reads the body, so a client without the key learns nothing else.
+    The scheme's name is case-insensitive (RFC 9110); the key is compared in constant time.
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or incorrect API key", code="invalid_api_key")
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
+                error = APIError(
+                    401,
+                    "missing or incorrect API key",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class LimitRequestBytes:
+    """ASGI middleware: a 413 for a body over `max_bytes`, before any of it is parsed.
+
+    The body is read here, counting, so a body without a Content-Length (chunked) or with a
+    false one is cut off as soon as it passes the limit; the app then reads the kept copy.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # nobody is left to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large().response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return body.pop() if body else await receive()  # then the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"the request body is larger than {self.max_bytes} bytes", code="request_too_large"
+        )
 
 
 def _json(model: BaseModel) -> Response:
@@ -218,9 +271,15 @@ class _Generation:
     that feeds the metrics, aborts on disconnect, sees each choice finish, and counts usage."""
 
     def __init__(
-        self, request: Request, streams: list[RequestStream], trackers: list[RequestTracker], n: int
+        self,
+        request: Request,
+        streams: list[RequestStream],
+        trackers: list[RequestTracker],
+        n: int,
+        metrics: ServerMetrics,
     ) -> None:
         self._request = request
+        self._metrics = metrics
         self._streams = streams
         self._trackers = trackers
         self._n = n
@@ -243,6 +302,7 @@ class _Generation:
                         finish_reason = choice.finish_reason
                     yield _Update(index, i, choice, output, first, finish_reason)
         if any(stream.aborted for stream in streams):
+            self._metrics.requests_aborted_slow_client.inc(sum(stream.overflowed for stream in streams))
             raise ClientDisconnected()
 
     def usage(self) -> p.Usage:
@@ -255,15 +315,61 @@ class _Generation:
         )
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of the server, each checked before any work is done for it."""
+
+    max_waiting: int | None = None  # 429 while this many sequences already wait for admission
+    max_request_bytes: int = 8 * 2**20  # 413 for a bigger body
+    max_seqs_per_request: int = 256  # prompts x n; 400 beyond
+    # When a request leaves max_tokens out. vLLM's default is the rest of the context, which lets
+    # one careless request hold a sequence (and its KV cache) for thousands of steps; ours is a
+    # bound of its own, cut to the room the prompt leaves.
+    default_max_tokens: int = 2048
+
+
+# A prompt longer than this many characters per token of context cannot fit, whatever it says
+# (tokens average about 4 characters), so it is refused before anyone pays to tokenize it.
+MAX_CHARS_PER_TOKEN = 16
+
+
 class OpenAIServer:
     """The endpoints' logic; `build_app` routes to it."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str, max_waiting: int | None) -> None:
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits) -> None:
         self.engine = async_engine
         self.model_name = served_model_name
-        self.max_waiting = max_waiting
+        self.limits = limits
         self.tokenizer = async_engine.tokenizer
         self.metrics = ServerMetrics(async_engine.stats)
+        self.max_prompt_chars = async_engine.max_model_len * MAX_CHARS_PER_TOKEN
+
+    def _check_chars(self, texts: Sequence[str], param: str) -> None:
+        if sum(len(text) for text in texts) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{param}: longer than the {self.max_prompt_chars} characters that could fit this "
+                f"model's context of {self.engine.max_model_len} tokens",
+                param,
+            )
+
+    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+        limit = self.limits.max_seqs_per_request
+        if self.limits.max_waiting is not None:
+            limit = min(limit, self.limits.max_waiting)  # more could never be admitted
+        if num_prompts * n > limit:
+            raise InvalidRequestError(
+                f"n: {num_prompts} prompt(s) x n={n} is more than the {limit} sequences one request may run",
+                "n",
+            )
+
+    def _with_default_max_tokens(
+        self, params: SamplingParams, prompts: Sequence[list[int]]
+    ) -> SamplingParams:
+        if params.max_tokens is not None:
+            return params
+        room = self.engine.max_model_len - max(len(prompt) for prompt in prompts)
+        # A prompt that leaves no room is the engine's error to report, so give it something.
+        return dataclasses.replace(params, max_tokens=max(1, min(self.limits.default_max_tokens, room)))
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -276,36 +382,29 @@ class OpenAIServer:
         self,
         request: Request,
         body: p.SamplingRequest,
-        n: int,
-        adds: Sequence[Callable[[], Awaitable[RequestStream]]],
+        params: SamplingParams,
+        requests: Sequence[tuple[str, list[int]]],
     ) -> _Generation:
-        """Add one engine request per prompt through `adds`: all of them, or none."""
-        trackers = [RequestTracker(self.metrics) for _ in adds]  # their clocks start on arrival
-        streams: list[RequestStream] = []
+        """Add one engine request per (id, prompt token ids): all of them, or none."""
+        trackers = [RequestTracker(self.metrics) for _ in requests]  # their clocks start on arrival
+        params = self._with_default_max_tokens(params, [prompt for _, prompt in requests])
         try:
-            for add in adds:
-                streams.append(await add())
-        except BaseException as exc:
-            for stream in streams:
-                stream.close()
-            if isinstance(exc, InvalidRequestError):
-                raise body.translate_error(exc) from exc
-            raise
-        return _Generation(request, streams, trackers, n)
+            streams = await self.engine.add_requests(requests, params, self.limits.max_waiting)
+        except InvalidRequestError as exc:
+            raise body.translate_error(exc) from exc
+        return _Generation(request, streams, trackers, params.n, self.metrics)
 
     # -- chat completions ---------------------------------------------------------------------
 
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         params = body.to_sampling_params()
+        self._check_num_seqs(1, params.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         messages = body.template_messages()
-        generation = await self._start(
-            request,
-            body,
-            params.n,
-            [lambda: self.engine.add_chat_request(request_id, messages, params, self.max_waiting)],
-        )
+        self._check_chars([message["content"] for message in messages], "messages")
+        prompt = await self.engine.encode_chat(messages)
+        generation = await self._start(request, body, params, [(request_id, prompt)])
         chunks = self._chat_chunks(request_id, body, params.n, generation)
         if body.stream:
             return _event_stream(chunks)
@@ -343,21 +442,34 @@ class OpenAIServer:
         self._check_model(body.model)
         params = body.to_sampling_params()
         prompts = body.prompts()
+        self._check_num_seqs(len(prompts), params.n)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self._check_chars([prompt], "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-
-        def add(i: int, prompt: str | list[int]) -> Callable[[], Awaitable[RequestStream]]:
-            engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            return lambda: self.engine.add_request(engine_id, prompt, params, self.max_waiting)
-
-        adds = [add(i, prompt) for i, prompt in enumerate(prompts)]
-        generation = await self._start(request, body, params.n, adds)
-        chunks = self._completion_chunks(request_id, body, generation)
+        token_ids = await asyncio.gather(
+            *(self.engine.encode(prompt) for prompt in prompts if isinstance(prompt, str))
+        )
+        encoded = iter(token_ids)
+        requests = [
+            (
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                next(encoded) if isinstance(prompt, str) else prompt,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        generation = await self._start(request, body, params, requests)
+        chunks = self._completion_chunks(request_id, body, prompts, generation)
         if body.stream:
             return _event_stream(chunks)
         return _json(p.join_completion_chunks(await _collect(chunks)))
 
     async def _completion_chunks(
-        self, request_id: str, body: p.CompletionRequest, generation: _Generation
+        self,
+        request_id: str,
+        body: p.CompletionRequest,
+        prompts: Sequence[str | list[int]],
+        generation: _Generation,
     ) -> AsyncGenerator[p.CompletionResponse, None]:
         created = p.now()
         text_offsets: dict[int, int] = {}  # per choice: where its next chunk's text starts
@@ -372,7 +484,8 @@ class OpenAIServer:
                 choice = update.choice
                 text, tokens = choice.delta_text, []
                 if update.first and body.echo:  # the echo goes first
-                    text = self._prompt_text(update.output) + text
+                    prompt = prompts[update.prompt]
+                    text = (prompt if isinstance(prompt, str) else await self.engine.decode(prompt)) + text
                     if body.logprobs is not None:
                         tokens = _prompt_logprobs(update.output)
                 tokens += [(lp.token_id, lp) for lp in _new_logprobs(choice)]
@@ -388,9 +501,6 @@ class OpenAIServer:
         if body.include_usage or not body.stream:  # a whole response always has its usage
             yield chunk([], usage=generation.usage())
 
-    def _prompt_text(self, output: RequestOutput) -> str:
-        return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
-
     # -- everything else ----------------------------------------------------------------------
 
     async def models(self) -> Response:
@@ -404,9 +514,12 @@ class OpenAIServer:
     async def tokenize(self, body: p.TokenizeRequest) -> Response:
         self._check_model(body.model)
         if body.prompt is not None and body.messages is None:
+            self._check_chars([body.prompt], "prompt")
             tokens = await self.engine.encode(body.prompt)
         elif body.messages is not None and body.prompt is None:
-            tokens = await self.engine.encode_chat([message.to_template() for message in body.messages])
+            messages = [message.to_template() for message in body.messages]
+            self._check_chars([message["content"] for message in messages], "messages")
+            tokens = await self.engine.encode_chat(messages)
         else:
             raise InvalidRequestError("prompt: give either prompt or messages", "prompt")
         return _json(
@@ -416,9 +529,9 @@ class OpenAIServer:
     async def detokenize(self, body: p.DetokenizeRequest) -> Response:
         self._check_model(body.model)
         vocab_size = self.engine.vocab_size
-        if any(not 0 <= token < vocab_size for token in body.tokens):
+        if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < vocab_size:
             raise InvalidRequestError(f"tokens: must be token ids in [0, {vocab_size})", "tokens")
-        return _json(p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens)))
+        return _json(p.DetokenizeResponse(prompt=await self.engine.decode(body.tokens)))
 
     async def health(self) -> Response:
         if not self.engine.is_running:
@@ -436,13 +549,10 @@ def build_app(
     async_engine: AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
-    max_waiting: int | None = None,
+    limits: ServerLimits = ServerLimits(),
 ) -> FastAPI:
-    """The API for `async_engine`, which the caller starts and shuts down.
-
-    `max_waiting`: answer 429 while this many sequences already wait for admission.
-    """
-    server = OpenAIServer(async_engine, served_model_name, max_waiting)
+    """The API for `async_engine`, which the caller starts and shuts down."""
+    server = OpenAIServer(async_engine, served_model_name, limits)
     app = FastAPI(title="yaie", version=yaie.__version__)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
@@ -461,6 +571,8 @@ def build_app(
     app.add_exception_handler(Exception, _on_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_request)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    # The last added runs first: the key is checked before the body is read.
+    app.add_middleware(LimitRequestBytes, max_bytes=limits.max_request_bytes)
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key)
     return app

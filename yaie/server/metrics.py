@@ -82,6 +82,11 @@ class ServerMetrics:
         self.request_success = Counter(
             "request_success", "Finished completions (one per choice).", ["finish_reason"], registry=registry
         )
+        self.requests_aborted_slow_client = Counter(
+            "num_requests_aborted_slow_client",
+            "Requests aborted because their client stopped reading their stream.",
+            registry=registry,
+        )
         self.prefix_cache_queries = Counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=registry
         )

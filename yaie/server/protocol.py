@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic_core import ErrorDetails
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
@@ -21,6 +21,20 @@ from yaie.sampling_params import SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds, and the engine adds the choice index
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON's \\ud800 escapes give Python strings with lone surrogates, which no tokenizer (and no
+    UTF-8 response that echoes them) can encode: refuse them where they arrive, naming the field."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        message = "invalid Unicode: a lone surrogate at position {position}"
+        raise PydanticCustomError("invalid_unicode", message, {"position": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string a request carries
 
 
 class OpenAIModel(BaseModel):
@@ -32,13 +46,13 @@ class OpenAIModel(BaseModel):
 
 class TextPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     # "developer" is OpenAI's newer name for "system". Tool messages need tool support.
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def to_template(self) -> dict[str, str]:
         """The message as chat templates expect it: a role they know and plain-text content."""
@@ -51,25 +65,25 @@ class StreamOptions(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
-    type: str
+    type: Text
 
 
 class SamplingRequest(OpenAIModel):
     """What chat and text completions share. None means "the default", as if left out."""
 
-    model: str
+    model: Text
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = None  # None: until the context is full
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None  # accepted and ignored
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -155,8 +169,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[Text, Any]] | None = None
+    tool_choice: Text | dict[Text, Any] | None = None
     response_format: ResponseFormat | None = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -184,10 +198,10 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -212,13 +226,13 @@ class CompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
