@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from yaie.sampling import draw as draw_module
 from yaie.sampling import logprobs as logprobs_module
 from yaie.sampling import sampler as sampler_module
 from yaie.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from yaie.sampling.truncation import TOP_P_PROBE, Truncation
-from yaie.sampling_params import SamplingParams
+from yaie.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 EOS = 1
 P_VALUE_FLOOR = 1e-3  # reject a fit at 0.1%; the seeds are fixed, so a pass is reproducible
@@ -629,3 +631,97 @@ def test_seeded_draws_are_pinned_in_a_mixed_batch() -> None:
     assert {name: row.output_token_ids for name, row in seeded.items()} == PINNED_TOKENS
     for index, tokens in PINNED_GREEDY_FILLERS.items():
         assert fillers[index].output_token_ids == tokens
+
+
+# -- extremes -----------------------------------------------------------------------------------
+# Whatever a model or a request throws at the sampler - logits of +-inf, near float32's limits,
+# all equal, temperatures at the greedy floor or enormous, penalties that overflow - every row
+# must get a token the row allows, and logprobs that are numbers. A row that cannot be sampled
+# would fail the whole batch (every request in it), which is why this is a property of the
+# sampler rather than something each caller checks.
+
+INF = math.inf
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+EXTREMES = [INF, -INF, FLOAT32_MAX, -FLOAT32_MAX, 1e30, -1e30, 0.0]
+# Sizes on both sides of the truncation's candidate probe, so both its topk path and its
+# full-sort path meet the extremes.
+BIASES = [-100.0, -1.0, 1.0, 100.0]
+VOCABS = [3, 17, TOP_P_PROBE + 1, 700]
+
+
+@st.composite
+def logit_rows(draw: st.DrawFn, vocab: int) -> torch.Tensor:
+    """One row: random at some scale, or all equal, with a few extreme values planted in it,
+    and at least one token that is not -inf."""
+    kind = draw(st.sampled_from(["random", "equal", "extreme"]))
+    seed = draw(st.integers(0, 2**16))
+    if kind == "random":
+        scale = draw(st.sampled_from([1.0, 1e4, 1e30, FLOAT32_MAX / 4]))
+        row = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    elif kind == "equal":
+        row = torch.full((vocab,), draw(st.sampled_from(EXTREMES)))
+    else:
+        choices = torch.tensor(EXTREMES)
+        row = choices[torch.randint(len(EXTREMES), (vocab,), generator=torch.Generator().manual_seed(seed))]
+    planted = st.tuples(st.integers(0, vocab - 1), st.sampled_from(EXTREMES))
+    for index, value in draw(st.lists(planted, max_size=4)):
+        row[index] = value
+    if bool((row == -INF).all()):
+        row[draw(st.integers(0, vocab - 1))] = draw(st.sampled_from([0.0, FLOAT32_MAX, INF]))
+    return row
+
+
+@st.composite
+def params(draw: st.DrawFn, vocab: int) -> dict[str, object]:
+    temperature = draw(
+        st.sampled_from([0.0, GREEDY_TEMPERATURE, 1e-4, 0.01, 0.7, 1.0, 3.0, 1e30])
+        | st.floats(GREEDY_TEMPERATURE, 100.0)
+    )
+    return {
+        "temperature": temperature,
+        "top_k": draw(st.sampled_from([-1, 0, 1, 2, 5, vocab - 1, vocab, 2**31 - 1])),
+        "top_p": draw(st.sampled_from([1e-9, 0.1, 0.5, 0.95, 1.0]) | st.floats(1e-9, 1.0)),
+        "min_p": draw(st.sampled_from([0.0, 0.05, 0.5, 1.0]) | st.floats(0.0, 1.0)),
+        "presence_penalty": draw(st.sampled_from([-2.0, 0.0, 2.0])),
+        "frequency_penalty": draw(st.sampled_from([-2.0, 0.0, 2.0])),
+        "repetition_penalty": draw(st.sampled_from([1e-30, 0.5, 1.0, 2.0, 1e30])),
+        "logit_bias": draw(st.dictionaries(st.integers(0, vocab - 1), st.sampled_from(BIASES), max_size=3)),
+        "logprobs": draw(st.sampled_from([None, 0, 3])),
+    }
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[dict[str, object]], list[list[int]]]:
+    vocab = draw(st.sampled_from(VOCABS))
+    num_rows = draw(st.integers(1, 4))
+    logits = torch.stack([draw(logit_rows(vocab)) for _ in range(num_rows)])
+    rows = [draw(params(vocab)) for _ in range(num_rows)]
+    outputs = [draw(st.lists(st.integers(0, vocab - 1), max_size=4)) for _ in range(num_rows)]
+    return logits, rows, outputs
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_every_row_gets_an_allowed_token_and_finite_logprobs(
+    batch: tuple[torch.Tensor, list[dict[str, object]], list[list[int]]],
+) -> None:
+    logits, rows, outputs = batch
+    seqs = [make_seq([], output, **row) for row, output in zip(rows, outputs, strict=True)]
+    before = logits.clone()
+    out = run(Sampler(), logits, seqs)
+    assert torch.equal(logits, before)  # extremes or not, the caller's logits stay as they were
+
+    for row, (token, seq) in enumerate(zip(out.token_ids, seqs, strict=True)):
+        raw = logits[row]
+        assert 0 <= token < raw.numel()
+        # -inf means "never": no penalty, bias or temperature can bring such a token back.
+        assert raw[token] > -INF, f"row {row} drew token {token}, whose logit is -inf"
+        params_: SamplingParams = seq.sampling_params
+        if params_.logprobs is None:
+            continue
+        assert out.logprobs is not None
+        entry = out.logprobs[row]
+        assert entry is not None and entry.token_id == token
+        assert not math.isnan(entry.logprob) and entry.logprob <= 0.0
+        assert len(entry.top) == min(params_.logprobs, raw.numel())
+        assert all(not math.isnan(lp) and lp <= 0.0 for _, lp in entry.top)

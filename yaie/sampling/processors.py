@@ -166,7 +166,10 @@ class Penalties(LogitsProcessor):
             seen = torch.cat([_flat(*self.prompt, vocab), seen_output])
             penalty = self.repetition[seen // vocab]
             old = flat[seen]
-            flat[seen] = torch.where(old > 0, old / penalty, old * penalty)
+            new = torch.where(old > 0, old / penalty, old * penalty)
+            # A huge logit times a huge penalty is still a logit, not a ban (-inf) or +inf.
+            finfo = torch.finfo(logits.dtype)
+            flat[seen] = torch.where(old.isfinite(), new.clamp(finfo.min, finfo.max), new)
         if self.frequency is not None and self.presence is not None:
             row = seen_output // vocab
             flat[seen_output] -= self.frequency[row] * counts.to(logits.dtype) + self.presence[row]

@@ -57,7 +57,7 @@ from yaie.sampling.batch import SamplingBatch, SamplingSeq
 from yaie.sampling.draw import draw_from_candidates, draw_full_rows
 from yaie.sampling.logprobs import prompt_logprobs, token_logprobs
 from yaie.sampling.processors import build_processors
-from yaie.sampling.truncation import Cut, Truncation
+from yaie.sampling.truncation import NEG_INF, Cut, Truncation
 from yaie.sampling.weights import exp_weights
 from yaie.sampling.workspace import Workspace
 
@@ -127,6 +127,7 @@ class Sampler:
             processor.apply(work)
         if batch.temperatures is not None:
             work.div_(batch.temperatures)
+        _tame_non_finite(work, logits)
 
         # The rows' log-normaliser, for logprobs and for top_p without top_k, comes with the
         # full-row weights exp(logit - row max), which the draw may need as well.
@@ -185,3 +186,24 @@ class Sampler:
             mask = self._workspace.get("mask", work, torch.bool)
             weights.masked_fill_(torch.lt(work, threshold.unsqueeze(1), out=mask), 0.0)
         return draw_full_rows(weights, batch.generators)
+
+
+def _tame_non_finite(work: torch.Tensor, logits: torch.Tensor) -> None:
+    """Keep every row of the processed logits samplable, in place; ``logits`` are the raw ones.
+
+    +inf reaches here from a model's logits, or from a temperature near the greedy floor that
+    overflowed float32; it would turn exp(logit - row max) into NaN, and NaN leaves the
+    truncation with no token to keep: +inf becomes the largest float, NaN becomes "never"
+    (-inf). A row left with no finite logit at all (every token banned or overflowed) has no
+    distribution to draw from; it gets the raw logits' best token rather than failing the batch.
+    One reduction finds the rare rows that need any of this.
+    """
+    if bool(torch.isfinite(work.amax(dim=-1)).all()):
+        return
+    tame = {"nan": NEG_INF, "posinf": torch.finfo(work.dtype).max, "neginf": NEG_INF}
+    work.nan_to_num_(**tame)
+    dead = (work.amax(dim=-1) == NEG_INF).nonzero().squeeze(1)
+    if len(dead):
+        best = logits[dead].to(work.dtype).nan_to_num(**tame).argmax(dim=-1)
+        work[dead] = NEG_INF
+        work[dead, best] = 0.0
