@@ -195,7 +195,8 @@ def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Quanti
     order = PACKED_MODULES.get(_module_of(name), (None,))
     fused = fuse([shards[s].unpacked() for s in order]) if set(shards) == set(order) else None
     if fused is None:
-        logger.info("%s: shards of different layouts (%s): running it dense", module_name, _types(shards))
+        types = _types(shards)
+        logger.info("%s: shards in %s share no quantized layout: running it dense", module_name, types)
         for shard, weight in shards.items():
             rows = slice(None) if shard is None else shard_rows(model.config, shard)
             linear.weight.data[rows] = weight.dense(linear.weight.dtype)
