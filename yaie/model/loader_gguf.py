@@ -4,12 +4,16 @@ Translating into HF names and layouts here keeps the model code format-agnostic.
 differ from a HF checkpoint beyond names:
   * llama.cpp stores Q and K projection rows of Llama models permuted so that its RoPE can
     rotate adjacent pairs; HF rotates the two halves of each head. We undo the permutation.
-  * weights may be quantized (Q8_0, Q4_0, Q4_1, ...); the `gguf` package dequantizes them.
+  * weights may be quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...): the `gguf` package
+    dequantizes them, or, where the caller keeps them quantized, they come out as
+    `QuantizedWeight` (raw blocks; the Q/K un-permutation moves whole rows, so it applies to
+    the unpacked rows just the same).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from yaie.errors import UnsupportedModelError
+from yaie.model.quant import SUPPORTED_GGML_TYPES, Unpacked, unpack_gguf
 
 # llama.cpp writes Mistral models as "llama".
 GGUF_ARCHITECTURES = {
@@ -35,6 +40,8 @@ SUPPORTED_TENSOR_TYPES = {
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
 }
 
 _LAYER_NAMES = {
@@ -98,6 +105,37 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A 2-D weight left in its GGUF block format: the raw blocks of [out_features, in_features]
+    and, for llama.cpp's permuted Q/K rows, the head count to un-permute them by."""
+
+    data: np.ndarray
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+    permuted_heads: int | None
+
+    def unpacked(self) -> Unpacked:
+        """Values and scales in HF row order."""
+        u = unpack_gguf(self.data, self.ggml_type, *self.shape)
+        if self.permuted_heads is None:
+            return u
+        heads = self.permuted_heads
+        mins = None if u.mins is None else unpermute_qk(u.mins, heads)
+        return Unpacked(unpermute_qk(u.values, heads), unpermute_qk(u.scales, heads), mins, u.block)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return _dense(self.data, self.ggml_type, self.permuted_heads, dtype)
+
+
+def _dense(data: np.ndarray, ggml_type: GGMLQuantizationType, permuted_heads: int | None,
+           dtype: torch.dtype) -> torch.Tensor:
+    array = dequantize(data, ggml_type)
+    if permuted_heads is not None:
+        array = unpermute_qk(array, permuted_heads)
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(dtype)
+
+
 class GGUFCheckpoint:
     def __init__(self, path: str) -> None:
         self.reader = _PlainArrayReader(path)
@@ -110,7 +148,10 @@ class GGUFCheckpoint:
         self.tensors = {t.name: t for t in self.reader.tensors}
         for t in self.reader.tensors:
             if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
-                raise UnsupportedModelError(f"GGUF tensor {t.name} has unsupported type {t.tensor_type.name}")
+                supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+                raise UnsupportedModelError(
+                    f"GGUF tensor {t.name} has unsupported type {t.tensor_type.name} (supported: {supported})"
+                )
             # A tensor we cannot place (MoE experts, exotic biases) would silently change the model.
             if hf_tensor_name(t.name) is None and t.name != "rope_freqs.weight":
                 raise UnsupportedModelError(f"GGUF tensor {t.name} is not supported")
@@ -156,15 +197,29 @@ class GGUFCheckpoint:
             )
         return cfg
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def quantized_types(self) -> set[GGMLQuantizationType]:
+        """The block formats the file's 2-D weights are stored in."""
+        dense = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+        return {t.tensor_type for t in self.reader.tensors if len(t.shape) == 2} - dense
+
+    def weights(self, dtype: torch.dtype, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """HF-named tensors, dequantized to `dtype`; with `keep_quantized`, 2-D weights in a
+        format the quantized kernels run come out as `QuantizedWeight` instead."""
         cfg = self.hf_config()
         for name, tensor in self.tensors.items():
             hf_name = hf_tensor_name(name)
             if hf_name is None:
                 continue
-            array = dequantize(tensor.data, tensor.tensor_type)
+            heads = None
             if self.arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_q.bias")):
-                array = unpermute_qk(array, cfg["num_attention_heads"])
+                heads = cfg["num_attention_heads"]
             elif self.arch in PERMUTED_QK and name.endswith(("attn_k.weight", "attn_k.bias")):
-                array = unpermute_qk(array, cfg["num_key_value_heads"])
-            yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(dtype)
+                heads = cfg["num_key_value_heads"]
+            if keep_quantized and tensor.tensor_type in SUPPORTED_GGML_TYPES and len(tensor.shape) == 2:
+                # GGUF lists dimensions innermost first: [in_features, out_features].
+                shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+                yield hf_name, QuantizedWeight(tensor.data, tensor.tensor_type, shape, heads)
+            else:
+                yield hf_name, _dense(tensor.data, tensor.tensor_type, heads, dtype)

@@ -202,10 +202,12 @@ class QuantizedLinear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 out_features: int, bias: torch.Tensor | None = None) -> None:
+                 out_features: int, bias: torch.Tensor | None = None, weight_type: str = "quantized") -> None:
+        """`weight_type` names the format the weight came in (Q4_1, int8, ...), for reports."""
         super().__init__()
         self.in_features = qweight.shape[1] * BLOCK
         self.out_features = out_features
+        self.weight_type = weight_type
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
@@ -215,7 +217,8 @@ class QuantizedLinear(nn.Module):
     def from_gguf(cls, data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int, out_features: int,
                   in_features: int, bias: torch.Tensor | None = None) -> QuantizedLinear:
         """A GGUF tensor's raw blocks, [out_features, in_features] in GGUF's own block format."""
-        return cls(*pack(unpack_gguf(data, ggml_type, out_features, in_features)), out_features, bias)
+        unpacked = unpack_gguf(data, ggml_type, out_features, in_features)
+        return cls(*pack(unpacked), out_features, bias, GGMLQuantizationType(ggml_type).name)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, scheme: Literal["int8", "int4"], group_size: int = 32,
@@ -244,7 +247,7 @@ class QuantizedLinear(nn.Module):
                                 low.repeat(repeat, axis=-1), BLOCK)
         else:
             raise ValueError(f"unknown quantization {scheme!r} (supported: int8, int4)")
-        return cls(*pack(unpacked), n, bias)
+        return cls(*pack(unpacked), n, bias, scheme)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 [out_features, in_features]."""

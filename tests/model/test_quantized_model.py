@@ -1,0 +1,325 @@
+"""Whole models with quantized linear layers (EngineConfig.quantization), against the same
+checkpoint run dense.
+
+Two checks per model:
+  * exact: every quantized layer dequantizes to the weight the dense path ("none") loads, so
+    fusing q/k/v and gate/up, un-permuting llama.cpp's Q/K rows and the tied LM head all put
+    the right quantized rows in the right place;
+  * every layer, as the model calls it: the kernels quantize each activation row to int8 per
+    32 values; a PyTorch product of the activations quantized the same way
+    (tests/model/test_quant_kernels.py) and the dequantized weights differs only by float32
+    rounding, |y - ref| <= 1e-5 * sum_k |x_q[k] * w[k]| (the kernel tests' bound). Checked per
+    layer, not on the logits: a rounding difference can tip an activation onto the next int8
+    step downstream, which no float32 bound covers;
+  * logits, loose, against the dense path: quantizing moves every activation by at most half a
+    step, max|x_block| / 254, relative to the block's largest value rather than to the output,
+    so we allow a full step, 1/127, of relative error for each of the 4 L + 1 matmuls a token
+    passes (qkv, o, gate_up, down per layer, then the LM head): (4 L + 1) / 127 of the largest
+    logit, 7% for these 2-layer models (int8 weights add as much again).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf_writer import Q, byte_level_vocab, gguf_tensor_name, write_gguf
+from test_quant_kernels import quantized_activations
+from tiny_models import make_tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from yaie.config import EngineConfig
+from yaie.errors import ModelLoadError, UnsupportedModelError
+from yaie.llm import LLM
+from yaie.model import quant
+from yaie.model.attention import AttentionMetadata, PrefillSeq
+from yaie.model.config import ModelConfig
+from yaie.model.layers import Linear
+from yaie.model.llama import CausalLM
+from yaie.model.loader import LoadedModel, load_model, load_weights
+from yaie.model.loader_gguf import GGUFCheckpoint
+from yaie.model.quant import QuantizedLinear
+
+CPU = torch.device("cpu")
+PROMPT = "the quick brown fox jumps over the lazy dog, hello world!"
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+NUM_LAYERS = 2
+LOGITS_BOUND = (4 * NUM_LAYERS + 1) / 127  # of max |logits|; see the module docstring
+
+
+@pytest.fixture(scope="module")
+def vocab() -> tuple[list[str], list[str]]:
+    return byte_level_vocab(63)
+
+
+def config_kwargs(tokens: list[str], hidden: int, intermediate: int) -> dict:
+    eot = tokens.index("<|endoftext|>")
+    return dict(
+        vocab_size=len(tokens), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
+        bos_token_id=eot, eos_token_id=eot,
+    )  # fmt: skip
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights of O(1) activations, so that logits are O(1) and a misplaced row shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 2:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(1.0 + 0.2 * noise)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llama(vocab) -> LlamaForCausalLM:
+    cfg = LlamaConfig(**config_kwargs(vocab[0], 64, 128), tie_word_embeddings=False)
+    return randomize(LlamaForCausalLM(cfg), seed=11)
+
+
+@pytest.fixture(scope="module")
+def qwen2(vocab) -> Qwen2ForCausalLM:
+    """qkv biases, tied embeddings: the LM head is the quantized embedding table."""
+    cfg = Qwen2Config(**config_kwargs(vocab[0], 64, 128), tie_word_embeddings=True)
+    return randomize(Qwen2ForCausalLM(cfg), seed=12)
+
+
+def write(tmp_path: Path, vocab, arch: str, model, qtype, **kw) -> Path:
+    return write_gguf(tmp_path / f"{arch}-{qtype.name}.gguf", arch, model.config, model.state_dict(), *vocab,
+                      tensor_type=qtype, **kw)  # fmt: skip
+
+
+def random_k_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
+    """Raw Q4_K / Q6_K blocks (gguf-py cannot quantize to them): random values and packed scales,
+    small float16 super-block scales so that weights are O(1 / sqrt(cols))."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = gen.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offsets = (0, 2) if qtype == Q.Q4_K else (208,)  # d (and dmin) fields
+    for offset in offsets:
+        scale = (gen.standard_normal((rows, cols // block, 1)) * 4e-4).astype(np.float16)
+        raw[..., offset : offset + 2] = scale.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def load(path: Path, quantization: str) -> LoadedModel:
+    return load_model(str(path), torch.float32, CPU, quantization=quantization)
+
+
+def dense_weights(path: Path) -> CausalLM:
+    """The "none" path's fused weights, before oneDNN packing takes the plain copies away."""
+    checkpoint = GGUFCheckpoint(str(path))
+    model = CausalLM(ModelConfig.from_hf(checkpoint.hf_config()), 16)
+    load_weights(model, checkpoint.weights(torch.float32))
+    return model
+
+
+def logits(loaded: LoadedModel) -> torch.Tensor:
+    m, cfg = loaded.model, loaded.config
+    for layer in m.layers:
+        layer.self_attn.k_cache = torch.zeros(8, 16, cfg.num_kv_heads, cfg.head_dim)
+        layer.self_attn.v_cache = torch.zeros(8, 16, cfg.num_kv_heads, cfg.head_dim)
+    ids = loaded.tokenizer(PROMPT)["input_ids"]
+    n = len(ids)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n)])
+    with torch.no_grad():
+        return m.compute_logits(m(torch.tensor(ids), torch.arange(n), meta))
+
+
+def linear_names(num_layers: int) -> list[str]:
+    return [f"layers.{i}.{name}" for i in range(num_layers) for name in LINEARS] + ["lm_head"]
+
+
+def assert_dequantizes_to_dense(quantized: CausalLM, dense: CausalLM, types: dict[str, str]) -> None:
+    """Every layer in `types` is a QuantizedLinear of that type whose weight is the dense one."""
+    for name, weight_type in types.items():
+        layer = quantized.get_submodule(name)
+        assert isinstance(layer, QuantizedLinear), name
+        assert layer.weight_type == weight_type, name
+        expected = dense.get_submodule(name).weight
+        torch.testing.assert_close(layer.dequantize(), expected, rtol=1e-6, atol=1e-7, msg=name)
+        dense_bias = dense.get_submodule(name).bias
+        if dense_bias is None:
+            assert layer.bias is None, name
+        else:
+            torch.testing.assert_close(layer.bias, dense_bias, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(quantized.embed_tokens, dense.embed_tokens, rtol=0, atol=0)
+
+
+def assert_logits_within_bound(ours: torch.Tensor, dense: torch.Tensor, relative: float = LOGITS_BOUND
+                               ) -> None:
+    assert dense.abs().max() > 1.0  # the model is not degenerate: a misplaced row would show
+    bound = relative * dense.abs().max().item()
+    torch.testing.assert_close(ours, dense, atol=bound, rtol=0)
+
+
+def checked_forward(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The kernels' product, checked against PyTorch over the activations quantized as they do."""
+    y = QUANTIZED_FORWARD(self, x)
+    xq = quantized_activations(x.reshape(-1, self.in_features).float())
+    w = self.dequantize().double()
+    bias = 0 if self.bias is None else self.bias.double()
+    reference, magnitude = xq @ w.T + bias, xq.abs() @ w.abs().T
+    error = (y.reshape(reference.shape).double() - reference).abs()
+    assert (error <= 1e-5 * magnitude + 1e-6).all(), f"{self.weight_type}: {error.max().item()}"
+    CHECKED.append(self.weight_type)
+    return y
+
+
+QUANTIZED_FORWARD = QuantizedLinear.forward
+CHECKED: list[str] = []
+
+
+def checked_logits(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """The model's logits, every quantized layer's product checked on the way."""
+    CHECKED.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(QuantizedLinear, "forward", checked_forward)
+        # A prompt of fewer than quant.DEQUANTIZED_FROM_ROWS tokens: the int8 kernels run.
+        result = logits(loaded)
+    expected = sum(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    assert len(CHECKED) == expected > 0
+    return result
+
+
+# --- GGUF files in the types they store --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_llama_runs_as_stored(tmp_path, vocab, llama, qtype, native_kernels, monkeypatch):
+    path = write(tmp_path, vocab, "llama", llama, qtype)
+    ours = load(path, "auto")
+    assert ours.quantization == qtype.name
+    assert ours.kernel_isa == quant.isa()
+    types = dict.fromkeys(linear_names(NUM_LAYERS), qtype.name)
+    assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_qwen2_tied_head_is_the_quantized_embedding(
+    tmp_path, vocab, qwen2, qtype, native_kernels, monkeypatch
+):
+    path = write(tmp_path, vocab, "qwen2", qwen2, qtype)
+    ours = load(path, "auto")
+    assert ours.model.lm_head.weight_type == qtype.name
+    types = dict.fromkeys(linear_names(NUM_LAYERS), qtype.name)
+    assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch):
+    """Q4_K and Q6_K weights (written as raw blocks), and fused shards of different types:
+    gate Q8_0 with up Q6_K share one 8-bit layer (a scale per 16); q, k in Q4_K beside v in
+    Q6_K cannot share one, so qkv runs dense."""
+    cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
+    model = randomize(LlamaForCausalLM(cfg), seed=13)
+    raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "up_proj": Q.Q6_K,
+                 "down_proj": Q.Q6_K}  # fmt: skip
+    gen = np.random.default_rng(0)
+    state, extra = {}, {}
+    for name, tensor in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if kind in raw_types or name == "lm_head.weight":
+            qtype = raw_types.get(kind, Q.Q6_K)
+            raw = random_k_blocks(qtype, tensor.shape[0], tensor.shape[1], gen)
+            extra[gguf_tensor_name("llama", NUM_LAYERS, name)] = (raw, qtype)
+        else:
+            state[name] = tensor
+    path = tmp_path / "k.gguf"
+    write_gguf(path, "llama", cfg, state, *vocab, tensor_type=Q.Q8_0, extra_tensors=extra)
+
+    ours = load(path, "auto")
+    types = {"lm_head": "Q6_K"}
+    for i in range(NUM_LAYERS):
+        types |= {f"layers.{i}.self_attn.o_proj": "Q4_K", f"layers.{i}.mlp.gate_up_proj": "Q6_K+Q8_0",
+                  f"layers.{i}.mlp.down_proj": "Q6_K"}  # fmt: skip
+        assert isinstance(ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj"), Linear)
+    assert ours.quantization == "Q4_K, Q6_K, Q6_K+Q8_0"
+    assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+def test_quantized_weights_take_less_memory(tmp_path, vocab, llama, native_kernels):
+    """Q4_1 keeps 20 bytes per 32 weights (5 bits a weight, scales in float32 add 2 more) where
+    float32 takes 128: the linear layers shrink ~4.5x; the dense embedding table does not."""
+    path = write(tmp_path, vocab, "llama", llama, Q.Q4_1)
+    dense, ours = load(path, "none"), load(path, "auto")
+    embedding = ours.model.embed_tokens.nbytes
+    assert embedding == dense.model.embed_tokens.nbytes
+    assert ours.weight_bytes - embedding < (dense.weight_bytes - embedding) / 3.5
+
+
+def test_engine_reports_quantization(tmp_path, vocab, llama, native_kernels):
+    path = write(tmp_path, vocab, "llama", llama, Q.Q4_0)
+    engine = LLM(str(path), quantization="auto", num_kv_blocks=8).engine
+    info = engine.model_info
+    assert (info.quantization, info.kernel_isa) == ("Q4_0", quant.isa())
+    assert info.weight_bytes == engine.weight_bytes > 0
+    dense = LLM(str(path), num_kv_blocks=8).engine.model_info
+    assert (dense.quantization, dense.kernel_isa) == ("none", "none")
+
+
+# --- int8 / int4 at load ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_dense_checkpoint_quantized_at_load(tmp_path, scheme, native_kernels, monkeypatch):
+    source = make_tiny_model("qwen2", tmp_path, seed=5)  # qkv biases, tied embeddings
+    ours, dense = load(tmp_path, scheme), load(tmp_path, "none")
+    assert ours.quantization == scheme
+    state = source.state_dict()
+    for name in linear_names(NUM_LAYERS)[:-1]:
+        layer = ours.model.get_submodule(name)
+        assert isinstance(layer, QuantizedLinear) and layer.weight_type == scheme, name
+    # Rounding to the nearest of 255 (int8) or 16 (int4) levels per 32 weights: at most half a
+    # step, max|w| / 254 or (max - min) / 30 <= max|w| / 15 of the whole tensor.
+    step = {"int8": 1 / 254, "int4": 1 / 15}[scheme]
+    layer0 = ours.model.layers[0].mlp.down_proj
+    expected = state["model.layers.0.mlp.down_proj.weight"]
+    torch.testing.assert_close(layer0.dequantize(), expected, rtol=0, atol=step * expected.abs().max().item())
+    torch.testing.assert_close(ours.model.lm_head.dequantize(), state["model.embed_tokens.weight"], rtol=0,
+                               atol=step * state["model.embed_tokens.weight"].abs().max().item())  # fmt: skip
+    ours_logits = checked_logits(ours, monkeypatch)
+    if scheme == "int8":  # int8 weights err as little as the activations: twice the bound
+        assert_logits_within_bound(ours_logits, logits(dense), 2 * LOGITS_BOUND)
+
+
+# --- what does not fit ---------------------------------------------------------------------------------
+
+
+def test_unknown_quantization_lists_the_choices():
+    with pytest.raises(ValueError, match=r"none, auto, int8, int4.*'fp8'"):
+        EngineConfig(quantization="fp8")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_requantizing_a_quantized_gguf_says_why(tmp_path, vocab, llama, scheme):
+    path = write(tmp_path, vocab, "llama", llama, Q.Q4_1)
+    with pytest.raises(ModelLoadError, match=rf"already stores quantized weights \(Q4_1\).*{scheme}.*auto"):
+        load(path, scheme)
+
+
+def test_dense_gguf_can_be_quantized_at_load(tmp_path, vocab, llama, native_kernels):
+    path = write(tmp_path, vocab, "llama", llama, Q.F16)
+    assert load(path, "int8").quantization == "int8"
+    assert load(path, "auto").quantization == "none"  # auto runs dense weights in --dtype
+
+
+def test_unsupported_tensor_type_names_the_supported_ones(tmp_path, vocab, llama):
+    path = write(tmp_path, vocab, "llama", llama, Q.Q8_0,
+                 type_overrides={"model.layers.0.mlp.up_proj.weight": Q.Q5_1})  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"ffn_up\.weight.*Q5_1.*supported: .*Q4_1.*Q4_K.*Q6_K"):
+        GGUFCheckpoint(str(path))

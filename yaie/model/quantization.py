@@ -1,0 +1,76 @@
+"""Linear layers made quantized at load (EngineConfig.quantization), and what they cost.
+
+  none        every weight dequantized to --dtype: exact transformers parity.
+  auto        a GGUF file's linear layers (qkv, o, gate_up, down, the LM head) run in the block
+              formats the file stores them in; a dense checkpoint runs in --dtype.
+  int8, int4  a dense checkpoint's linear layers quantized at load, a scale (and a min) per 32.
+
+Embedding lookups stay dense: the loader dequantizes the table for them, while a tied LM head
+multiplies by the quantized table. The layers themselves are yaie/model/quant.py's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from yaie.model.layers import Linear
+from yaie.model.quant import QuantizedLinear, Unpacked
+
+GROUP_SIZE = 32  # values per scale of int8 / int4 at load: the finer of the kernels' two
+
+
+def fuse(shards: list[Unpacked]) -> Unpacked | None:
+    """The shards of a fused projection (q, k, v; gate, up) stacked by rows, or None where their
+    layouts cannot share one packed weight (4-bit with mins beside 8-bit without)."""
+    if len({u.mins is None for u in shards}) > 1:
+        return None
+    block = min(u.block for u in shards)
+    # A scale per 32 values is a scale per 16 given twice: Q8_0 and Q6_K rows stack at 16.
+    scales = [np.repeat(u.scales, u.block // block, axis=1) for u in shards]
+    mins = None if shards[0].mins is None else np.concatenate([u.mins for u in shards if u.mins is not None])
+    return Unpacked(np.concatenate([u.values for u in shards]), np.concatenate(scales), mins, block)
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
+
+
+def float_bias(linear: Linear) -> torch.Tensor | None:
+    """The kernels add the bias in float32."""
+    return None if linear.bias is None else linear.bias.detach().float()
+
+
+def quantize_linears(model: nn.Module, scheme: Literal["int8", "int4"]) -> None:
+    """Replace every dense linear layer (the LM head too) by its `scheme` quantization."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear):
+            try:
+                quantized = QuantizedLinear.quantize(module.weight, scheme, GROUP_SIZE, float_bias(module))
+            except ValueError as exc:
+                raise ValueError(f"{name} cannot be quantized to {scheme}: {exc}") from exc
+            replace_module(model, name, quantized)
+
+
+def weight_types(model: nn.Module) -> Counter[str]:
+    """Linear layers by the type their weights run in: Q4_1, int8, torch.float32, ..."""
+    types: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            types[module.weight_type] += 1
+        elif isinstance(module, Linear):
+            types[str(module.weight.dtype if module.packed is None else module.packed.dtype)] += 1
+    return types
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold in memory: parameters and saved buffers (quantized blocks
+    and scales), and oneDNN's packed copies, which replace their layers' plain weights."""
+    tensors = list(model.state_dict().values())
+    tensors += [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    return sum(int(t.nbytes) for t in tensors)
