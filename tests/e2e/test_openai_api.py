@@ -24,7 +24,9 @@ def test_models(client: openai.OpenAI) -> None:
 def test_health_and_version(server: Server) -> None:
     with server.http() as http:
         assert http.get("/health").status_code == 200
-        assert http.get("/version").json()["version"]
+        version = http.get("/version").json()
+        assert version["version"] and version["weight_bytes"] > 0
+        assert {"quantization", "kernel_isa"} <= version.keys()
 
 
 def test_chat_response_shape(server: Server) -> None:

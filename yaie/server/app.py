@@ -538,8 +538,15 @@ class OpenAIServer:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
         return Response(status_code=200)
 
-    async def version(self) -> dict[str, str]:
-        return {"version": yaie.__version__}
+    async def version(self) -> dict[str, str | int]:
+        """yaie's version (vLLM's field), and what the weights run as."""
+        info = self.engine.model_info
+        return {
+            "version": yaie.__version__,
+            "quantization": info.quantization,
+            "kernel_isa": info.kernel_isa,
+            "weight_bytes": info.weight_bytes,
+        }
 
     async def prometheus_metrics(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
