@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 4};
+    # see yaie.spec.config.SpeculativeConfig. None: off.
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
