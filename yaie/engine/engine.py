@@ -315,14 +315,15 @@ def merge_forward_results(
         torch.cat(logits) if logits else torch.empty(0, vocab_size, device=device),
         [entry for runner, _ in results for entry in runner.prompt_logits],
     )
-    if any(isinstance(sampled, StepTokens) for _, sampled in results):
-        return model_output, StepTokens.concat(sampled for _, sampled in results)
-    token_ids = [token for _, sampled in results for token in sampled.token_ids]  # type: ignore[misc]
+    parts = [sampled for _, sampled in results]
+    plain = [sampled for sampled in parts if isinstance(sampled, SamplerOutput)]
+    if len(plain) < len(parts):  # a speculative step
+        return model_output, StepTokens.concat(parts)
+    token_ids = [token for sampled in plain for token in sampled.token_ids]
     logprobs = None
-    if any(sampled.logprobs is not None for _, sampled in results):
+    if any(sampled.logprobs is not None for sampled in plain):
+        none: list[Any] = [None]
         logprobs = [
-            entry
-            for _, sampled in results
-            for entry in (sampled.logprobs or [None] * len(sampled.token_ids))
+            entry for sampled in plain for entry in (sampled.logprobs or none * len(sampled.token_ids))
         ]
     return model_output, SamplerOutput(token_ids, logprobs)

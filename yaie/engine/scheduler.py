@@ -167,7 +167,9 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
 
-    def add_lookahead(self, output: SchedulerOutput, item: ScheduledSequence, draft_token_ids: list[int]) -> int:
+    def add_lookahead(
+        self, output: SchedulerOutput, item: ScheduledSequence, draft_token_ids: list[int]
+    ) -> int:
         """Schedule draft tokens after a decoding sequence's last token, for the target to verify
         in this step: they count against the step's token budget, and their slots need blocks,
         taken only where free (speculation never preempts or evicts). Returns how many of the

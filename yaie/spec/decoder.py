@@ -23,6 +23,7 @@ import torch
 
 from yaie.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from yaie.engine.sequence import Sequence
+from yaie.outputs import TokenLogprob
 from yaie.sampling.sampler import Sampler
 from yaie.spec.config import SpeculativeConfig
 from yaie.spec.proposers import PROPOSERS, Proposer, TargetInfo
@@ -154,7 +155,7 @@ class SpeculativeDecoder:
             sampled = sampler.sample(logits.index_select(0, index), sampler.prepare(plain_seqs, device))
             plain_tokens = StepTokens.concat([sampled])
         token_ids: list[list[int]] = []
-        logprobs: list[list] = []
+        logprobs: list[list[TokenLogprob | None]] = []
         next_plain = 0
         for i, seq in enumerate(seqs):
             draft = self._drafts.get(seq)
@@ -169,7 +170,8 @@ class SpeculativeDecoder:
                 seq.output_token_ids, self.eos_token_ids, seq.generator,
             )  # fmt: skip
             token_ids.append(verified.token_ids)
-            logprobs.append(verified.logprobs or [None] * len(verified.token_ids))
+            no_logprobs: list[TokenLogprob | None] = [None] * len(verified.token_ids)
+            logprobs.append(list(verified.logprobs) if verified.logprobs else no_logprobs)
         return StepTokens(token_ids, logprobs)
 
     def record(self, batch: SchedulerOutput) -> None:

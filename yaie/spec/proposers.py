@@ -43,7 +43,9 @@ class Proposer(ABC):
 
     @classmethod
     def check_config(cls, config: SpeculativeConfig) -> None:
-        """Refuse settings this method cannot use (raise ValueError); nothing is loaded yet."""
+        """Refuse settings this method cannot use (raise ValueError); nothing is loaded yet.
+        Most methods have nothing to check beyond SpeculativeConfig's own checks."""
+        return None
 
     @classmethod
     @abstractmethod
@@ -54,7 +56,9 @@ class Proposer(ABC):
         """A draft of at most max_tokens[i] tokens to follow seqs[i]'s tokens, for every i."""
 
     def release_finished(self) -> None:
-        """Drop whatever is kept for sequences that have finished."""
+        """Drop whatever is kept for sequences that have finished (a stateless proposer keeps
+        nothing)."""
+        return None
 
 
 class NgramProposer(Proposer):
@@ -72,7 +76,8 @@ class NgramProposer(Proposer):
         lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(
-                f"speculative_config: ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}"
+                "speculative_config: ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {lo} and {hi}"
             )
 
     @classmethod
@@ -133,7 +138,9 @@ class DraftModelProposer(Proposer):
         # round, the token drafted in the round before.
         while active:
             shadows = [self._shadows[seqs[i]] for i in active]
-            batch = SchedulerOutput([ScheduledSequence(s, s.num_tokens - s.num_computed_tokens) for s in shadows], [])
+            batch = SchedulerOutput(
+                [ScheduledSequence(s, s.num_tokens - s.num_computed_tokens) for s in shadows], []
+            )
             logits = self.runner.execute(batch).logits
             for row, i in enumerate(active):
                 seq, shadow = seqs[i], self._shadows[seqs[i]]
@@ -149,11 +156,15 @@ class DraftModelProposer(Proposer):
                 draft.probs = torch.cat(rows)
         return drafts
 
-    def _pick(self, seq: Sequence, drafted: list[int], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _pick(
+        self, seq: Sequence, drafted: list[int], logits: torch.Tensor
+    ) -> tuple[int, torch.Tensor | None]:
         """The draft's next token for `seq` and the distribution it came from (None if greedy)."""
         params = seq.sampling_params
         history = [seq.output_token_ids + drafted]
-        scaled, probs = processed_distribution(logits, params, seq.prompt_token_ids, history, self.eos_token_ids)
+        scaled, probs = processed_distribution(
+            logits, params, seq.prompt_token_ids, history, self.eos_token_ids
+        )
         if probs is None:
             return int(scaled.argmax(dim=-1)[0]), None
         return int(torch.multinomial(probs, 1, generator=seq.generator)[0, 0]), probs
@@ -200,8 +211,8 @@ def check_same_vocabulary(target: TargetInfo, vocab_size: int, tokenizer: Any, n
     """A draft must speak the target's tokens: the same ids for the same pieces."""
     if vocab_size != target.vocab_size:
         raise ValueError(
-            f"the draft model {name} has a vocabulary of {vocab_size} tokens, the target {target.vocab_size}: "
-            "a draft must use the target's tokenizer"
+            f"the draft model {name} has a vocabulary of {vocab_size} tokens, the target "
+            f"{target.vocab_size}: a draft must use the target's tokenizer"
         )
     if tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(

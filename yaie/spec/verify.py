@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,10 +90,10 @@ def verify(
         accepted = 0
         while accepted < k and best[accepted] == drafted[accepted]:
             accepted += 1
-        token_ids = drafted[:accepted] + [best[accepted]]
+        token_ids = [*drafted[:accepted], best[accepted]]
     else:
         accepted, last = _rejection_sample(probs, draft, generator)
-        token_ids = drafted[:accepted] + [last]
+        token_ids = [*drafted[:accepted], last]
     logprobs = None
     if params.logprobs is not None:
         logprobs = _logprobs(scaled[: len(token_ids)], token_ids, params.logprobs)
@@ -161,7 +162,7 @@ class StepTokens:
                 logprobs += part.logprobs
             else:
                 token_ids += [[t] for t in part.token_ids]
-                row_logprobs = part.logprobs or [None] * len(part.token_ids)
+                row_logprobs: list[Any] = part.logprobs or [None] * len(part.token_ids)
                 # The sampler's interim bridge puts TokenLogprobs (or None) in its logprobs.
                 logprobs += [[lp if isinstance(lp, TokenLogprob) else None] for lp in row_logprobs]
         return cls(token_ids, logprobs)
