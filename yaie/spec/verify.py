@@ -82,9 +82,22 @@ def verify(
     """Check `draft` (k tokens) against the target's logits rows [k+1, V] for one sequence whose
     tokens so far are prompt + output; `generator` is the seeded request's, if any."""
     drafted = draft.token_ids
-    k = len(drafted)
-    histories = [output_token_ids + drafted[:j] for j in range(k + 1)]
+    histories = [output_token_ids + drafted[:j] for j in range(len(drafted) + 1)]
     scaled, probs = processed_distribution(logits, params, prompt_token_ids, histories, eos_token_ids)
+    return decide(scaled, probs, draft, params, generator)
+
+
+def decide(
+    scaled: torch.Tensor,
+    probs: torch.Tensor | None,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> Verified:
+    """`verify` given the target's rows as `processed_distribution` makes them (with each
+    row's history including the drafts before it)."""
+    drafted = draft.token_ids
+    k = len(drafted)
     if probs is None:
         best = scaled.argmax(dim=-1).tolist()  # lowest id on ties, as the sampler
         accepted = 0
