@@ -39,7 +39,7 @@ def _methods(target: str, other: str) -> dict[str, dict[str, Any]]:
 SITUATIONS: dict[str, dict[str, Any]] = {
     "plain": {"num_kv_blocks": 256},
     "chunked_prefill": {"num_kv_blocks": 256, "max_num_batched_tokens": 8},
-    "preemption": {"num_kv_blocks": 9, "block_size": 4},
+    "preemption": {"num_kv_blocks": 16, "block_size": 4},
     "no_prefix_cache": {"num_kv_blocks": 256, "enable_prefix_caching": False},
 }
 
