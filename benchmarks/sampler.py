@@ -17,14 +17,30 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from yaie.sampling.sampler import Sampler, SamplingSeq
+from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
 
 HIDDEN = 576  # the bundled model's hidden size, for the LM-head proxy
 EOS_TOKEN_IDS = (0, 2)
+
+
+@dataclass
+class Row:
+    """One row of the batch, with what the sampler reads from an engine sequence."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def step(sampler: Sampler, logits: torch.Tensor, rows: list[Row]) -> SamplerOutput:
+    """One engine step's sampling: the batch is prepared and sampled."""
+    return sampler.sample(logits, sampler.prepare(rows, logits.device))
 
 
 def median_ms(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
@@ -38,14 +54,14 @@ def median_ms(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def greedy_seqs(batch: int, vocab: int, rng: random.Random) -> list[SamplingSeq]:
+def greedy_seqs(batch: int, vocab: int, rng: random.Random) -> list[Row]:
     return [
-        SamplingSeq(SamplingParams(temperature=0.0), [rng.randrange(vocab) for _ in range(512)], [])
+        Row(SamplingParams(temperature=0.0), [rng.randrange(vocab) for _ in range(512)])
         for _ in range(batch)
     ]
 
 
-def all_controls_seqs(batch: int, vocab: int, rng: random.Random) -> list[SamplingSeq]:
+def all_controls_seqs(batch: int, vocab: int, rng: random.Random) -> list[Row]:
     """Penalties over a 512-token prompt and 200 output tokens, top-k, top-p, min-p, logit_bias,
     min_tokens, a seed on every other row and 5 logprobs."""
     seqs = []
@@ -69,19 +85,19 @@ def all_controls_seqs(batch: int, vocab: int, rng: random.Random) -> list[Sampli
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         prompt = [rng.randrange(vocab) for _ in range(512)]
         output = [rng.randrange(vocab) for _ in range(200)]
-        seqs.append(SamplingSeq(params, prompt, output, generator))
+        seqs.append(Row(params, prompt, output, generator))
     return seqs
 
 
-def temperature_seqs(batch: int, vocab: int, rng: random.Random) -> list[SamplingSeq]:
+def temperature_seqs(batch: int, vocab: int, rng: random.Random) -> list[Row]:
     """Plain sampling (the OpenAI defaults but for the temperature): drawn over full rows."""
-    return [SamplingSeq(SamplingParams(temperature=0.8), [], []) for _ in range(batch)]
+    return [Row(SamplingParams(temperature=0.8)) for _ in range(batch)]
 
 
-def top_p_only_seqs(batch: int, vocab: int, rng: random.Random) -> list[SamplingSeq]:
+def top_p_only_seqs(batch: int, vocab: int, rng: random.Random) -> list[Row]:
     """top_p without top_k: the cut-off is looked for among TOP_P_PROBE candidates per row."""
     output = [rng.randrange(vocab) for _ in range(200)]
-    return [SamplingSeq(SamplingParams(temperature=0.8, top_p=0.9), [], list(output)) for _ in range(batch)]
+    return [Row(SamplingParams(temperature=0.8, top_p=0.9), [], list(output)) for _ in range(batch)]
 
 
 def lm_like_logits(batch: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -124,7 +140,7 @@ def main() -> None:
         cells = []
         for name, make in cases:
             seqs = make(batch, args.vocab, rng)
-            ms = median_ms(lambda s=seqs, x=logits: sampler(x, s), args.runs)
+            ms = median_ms(lambda s=seqs, x=logits: step(sampler, x, s), args.runs)
             results[batch, name] = ms
             ratio = ms / results[batch, "greedy"]
             cells.append(f"{ms:.3f}" if name == "greedy" else f"{ms:.3f} ({ratio:.1f}x)")

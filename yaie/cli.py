@@ -22,7 +22,9 @@ from typing import Any
 import httpx
 import uvicorn
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import yaie
@@ -30,8 +32,9 @@ from yaie.config import EngineConfig
 from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.engine import Engine
 from yaie.errors import InvalidRequestError, YaieError
+from yaie.model.loader import LoadProgress
 from yaie.sampling_params import SamplingParams
-from yaie.server.app import build_app
+from yaie.server.app import ServerLimits, build_app
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
@@ -121,6 +124,38 @@ def _engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     )
 
 
+def _log_to_terminal() -> None:
+    """Show what the library logs (the model and kernels loading, warnings) on stderr, as rich
+    lines. Only where nothing configured logging already: `serve` sets it up its own way."""
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_time=False, show_path=False)],
+    )
+    logging.getLogger("yaie").setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def _loading_bar() -> Iterator[LoadProgress]:
+    """A progress bar on stderr while the engine loads the model (none where stderr is not a
+    terminal); yields the callback for Engine's `load_progress`."""
+    with Progress(
+        TextColumn("[bold]loading[/] the model"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tensors"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    ) as progress:
+        task = progress.add_task("model", total=None)
+
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield advance
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="yaie", description="Yet Another Inference Engine")
     parser.add_argument("--version", action="version", version=f"yaie {yaie.__version__}")
@@ -160,6 +195,32 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=512,
         help="answer 429 when this many sequences already wait",
+    )
+    limits = ServerLimits()
+    env.add(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=str(limits.max_request_bytes),
+        help="answer 413 for a bigger request body, e.g. 8MiB",
+    )
+    env.add(
+        "--max-seqs-per-request",
+        type=_positive_int,
+        default=limits.max_seqs_per_request,
+        help="most sequences (prompts x n) one request may run",
+    )
+    env.add(
+        "--default-max-tokens",
+        type=_positive_int,
+        default=limits.default_max_tokens,
+        help="max_tokens of a request that leaves it out, cut to the context the prompt leaves "
+        "(vLLM's default is the whole rest of the context)",
+    )
+    env.add(
+        "--timeout-keep-alive",
+        type=_positive_int,
+        default=5,
+        help="seconds an idle keep-alive connection is kept open",
     )
     serve.set_defaults(run=run_serve)
 
@@ -216,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    engine = Engine(_engine_config(args))
+    _log_to_terminal()
+    with _loading_bar() as progress:
+        engine = Engine(_engine_config(args), load_progress=progress)
     prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     request_id = engine.add_request(None, prompt, params)
@@ -243,11 +306,26 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
     )
-    async_engine = AsyncEngine(lambda: Engine(config))
-    name = args.served_model_name or args.model or Path(async_engine.engine.model_path).stem
-    app = build_app(async_engine, name, api_key=args.api_key, max_waiting=args.max_waiting)
+    with _loading_bar() as progress:
+        async_engine = AsyncEngine(lambda: Engine(config, load_progress=progress))
+    name = args.served_model_name or args.model or Path(async_engine.model_path).stem
+    limits = ServerLimits(
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        max_seqs_per_request=args.max_seqs_per_request,
+        default_max_tokens=args.default_max_tokens,
+    )
+    app = build_app(async_engine, name, api_key=args.api_key, limits=limits)
     server_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        # Closes a connection idle this long after a response. uvicorn has no timeout for a
+        # request's headers (slowloris); what bounds them is h11's cap on their size (16 KiB,
+        # its default), and the body is bounded by LimitRequestBytes.
+        timeout_keep_alive=args.timeout_keep_alive,
     )
     Server(server_config, async_engine, name).run()
     async_engine.shutdown()
@@ -268,7 +346,7 @@ class Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             console.print(
                 f"[bold green]yaie[/] serving [bold]{escape(self.model_name)}[/] "
-                f"({escape(str(self.async_engine.engine.model_path))}) at http://{host}:{port}/v1"
+                f"({escape(str(self.async_engine.model_path))}) at http://{host}:{port}/v1"
             )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -292,8 +370,10 @@ class LocalChat:
     """Answers from an Engine in this process."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.engine = Engine(_engine_config(args))
-        self.name = Path(self.engine.model_path).stem
+        _log_to_terminal()
+        with _loading_bar() as progress:
+            self.engine = Engine(_engine_config(args), load_progress=progress)
+        self.name = self.engine.model_info.path.stem
 
     def stream(self, messages: list[dict[str, str]], max_tokens: int, temperature: float) -> Iterator[str]:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)

@@ -65,6 +65,7 @@ def test_generate_streams_a_completion(llm: LLM) -> None:
     assert result.stdout == expected.outputs[0].text + "\n"
 
 
+@pytest.mark.slow
 def test_bench_starts_a_server_and_reports_every_level(tmp_path) -> None:
     out = tmp_path / "bench.json"
     command = yaie_command("bench", "--concurrency", "1,2", "--num-requests", "2", "--max-tokens", "4")

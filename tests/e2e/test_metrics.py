@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from e2e_helpers import MODEL, Server
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +20,7 @@ COUNTERS = [
 HISTOGRAMS = ["request_latency_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds"]
 GAUGES = [
     "kv_cache_used_bytes",
+    "kv_cache_cached_bytes",
     "kv_cache_usage_ratio",
     "num_requests_running",
     "num_requests_waiting",
@@ -75,3 +78,28 @@ def test_counters_grow_with_a_request(server: Server) -> None:
         assert grew(f"{name}_count") == 2, name
     assert 0 < value(after, "prefix_cache_hit_rate") <= 1
     assert value(after, "num_requests_running") == 0
+
+
+def settled(server: Server, timeout: float = 20.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The metrics once no request runs, waits or holds KV blocks (or at `timeout`). The engine
+    publishes its gauges after each step, so they may lag a response by up to one step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(server)
+        names = ("num_requests_running", "num_requests_waiting", "kv_cache_used_bytes")
+        if not any(value(samples, name) for name in names) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def test_blocks_only_the_prefix_cache_holds_are_cached_not_used(server: Server) -> None:
+    prompt = "Blocks that the prefix cache keeps once the request is over, " * 4
+    with server.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3})
+        assert response.status_code == 200
+    samples = settled(server)
+    assert value(samples, "num_requests_running") == value(samples, "num_requests_waiting") == 0
+    assert value(samples, "kv_cache_used_bytes") == 0
+    assert value(samples, "kv_cache_usage_ratio") == 0
+    # The prompt's full blocks stay in the prefix cache for the next request that shares them.
+    assert value(samples, "kv_cache_cached_bytes") > 0

@@ -11,6 +11,7 @@ from yaie.cache.radix_cache import RadixCache
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_reference(llm, reference):
     results = reference["results"]
     outputs = llm.generate([r["prompt_ids"] for r in results], GREEDY)
@@ -22,6 +23,7 @@ def test_greedy_matches_transformers_reference(llm, reference):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_chat_template_and_text_prompts_match_reference_ids(llm, reference):
     for expected in reference["results"]:
         if expected["kind"] == "chat":
@@ -53,6 +55,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_batched_requests_equal_each_request_alone(llm):
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(16)]
     together = llm.generate(PROMPTS, params)
@@ -63,6 +66,7 @@ def test_batched_requests_equal_each_request_alone(llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_requests_join_a_running_batch_without_waiting(llm):
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -82,6 +86,7 @@ def test_requests_join_a_running_batch_without_waiting(llm):
     assert done["second"].outputs[0].token_ids == second_alone.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_streaming_deltas_concatenate_to_the_final_text(llm):
     engine = llm.engine
     engine.add_request(
@@ -98,6 +103,7 @@ def test_streaming_deltas_concatenate_to_the_final_text(llm):
     assert "\ufffd" not in "".join(deltas[:-1])
 
 
+@pytest.mark.slow
 def test_stop_strings_are_cut_and_never_streamed(llm):
     [free] = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=24))
     text = free.outputs[0].text
@@ -115,6 +121,7 @@ def test_stop_strings_are_cut_and_never_streamed(llm):
     assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
 
 
+@pytest.mark.slow
 def test_oversubscribed_pool_finishes_everything_identically():
     small = LLM(num_kv_blocks=24, max_num_seqs=16)  # 16 requests need ~4x these blocks at their peak
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in PROMPTS]
@@ -132,6 +139,7 @@ def test_oversubscribed_pool_finishes_everything_identically():
     assert small.engine.block_pool.num_free == 24
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("prompt", "params", "match"),
     [
@@ -169,6 +177,7 @@ def test_unknown_model_path_and_unsupported_architecture(tmp_path):
         LLM(model=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_n_choices_share_one_prompt_prefill(llm):
     prompt = "Here is a long story about a dragon, a knight and a baker who met one rainy day. " * 4
     before = llm.engine.stats().num_computed_prompt_tokens
@@ -183,12 +192,14 @@ def test_n_choices_share_one_prompt_prefill(llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_any_integer_seed_is_accepted_and_reproducible(llm):
     params = SamplingParams(n=2, seed=2**64 - 1, temperature=1.0, max_tokens=6)
     first, again = llm.generate(["Seeds"], params), llm.generate(["Seeds"], params)
     assert [o.token_ids for o in first[0].outputs] == [o.token_ids for o in again[0].outputs]
 
 
+@pytest.mark.slow
 def test_stop_token_text_is_kept_only_when_asked(llm):
     prompt = "Once upon a time"
     [free] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))

@@ -19,7 +19,9 @@ from engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.engine.engine import Engine
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from yaie.sampling.sampler import Sampler, SamplerOutput, SamplingSeq
+from yaie.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingSeq
+
+pytestmark = pytest.mark.slow
 
 STORY = "Once upon a time"
 COUNT = "Count: one, two, three,"
@@ -117,17 +119,22 @@ class RecordingSampler:
     def __init__(self, inner: Sampler) -> None:
         self.inner = inner
         self.steps: dict[int, list[Step]] = defaultdict(list)
+        self._seqs: Sequence[SamplingSeq] = []  # the rows of the batch last prepared
 
-    def __call__(self, logits: torch.Tensor, seqs: list[SamplingSeq]) -> SamplerOutput:
-        result = self.inner(logits, seqs)
-        for row, seq in enumerate(seqs):
+    def prepare(self, seqs: Sequence[SamplingSeq], device: torch.device) -> SamplingBatch:
+        self._seqs = seqs
+        return self.inner.prepare(seqs, device)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        result = self.inner.sample(logits, batch)
+        for row, seq in enumerate(self._seqs):
             step = Step(
                 logits[row].double().clone(),
                 list(seq.prompt_token_ids),
                 list(seq.output_token_ids),
                 result.token_ids[row],
             )
-            self.steps[id(seq.params)].append(step)
+            self.steps[id(seq.sampling_params)].append(step)
         return result
 
 

@@ -180,3 +180,36 @@ def test_chunk_after_cache_attends_to_the_cache_and_causally_to_itself(attend, n
     visible = torch.arange(num_cached + n) <= torch.arange(num_cached, num_cached + n).unsqueeze(1)
     expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v64
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+# --- the build cache key ---------------------------------------------------------------------------
+
+X86_CPUINFO = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\n"
+ARM_CPUINFO = "processor\t: 0\nFeatures\t: fp asimd aes sve\nCPU implementer\t: 0x41\n"
+
+
+def test_cpus_with_different_flags_get_different_builds():
+    avx512 = X86_CPUINFO.replace("avx2", "avx2 avx512f")
+    assert kernels.cpu_key(X86_CPUINFO, "x86_64") != kernels.cpu_key(avx512, "x86_64")
+    assert kernels.cpu_key(ARM_CPUINFO, "aarch64") != kernels.cpu_key(
+        ARM_CPUINFO.replace(" sve", ""), "aarch64"
+    )
+
+
+def test_cpus_with_the_same_flags_share_a_build():
+    reordered = X86_CPUINFO.replace("fpu sse2 avx2 fma", "fma avx2 fpu sse2")
+    assert kernels.cpu_key(X86_CPUINFO, "x86_64") == kernels.cpu_key(reordered, "x86_64")
+    # Lines other than the flags (model name, MHz, core count) do not matter.
+    assert kernels.cpu_key(X86_CPUINFO, "x86_64") == kernels.cpu_key(
+        X86_CPUINFO.replace("GenuineIntel", "AuthenticAMD") + "processor\t: 2\n", "x86_64"
+    )
+
+
+def test_the_architecture_is_part_of_the_key():
+    assert kernels.cpu_key("", "x86_64") != kernels.cpu_key("", "aarch64")
+
+
+def test_this_machine_builds_under_its_cpu_key():
+    name = kernels.extension_name()
+    assert name.startswith("yaie_kernels_") and name.isidentifier()
+    assert name == kernels.extension_name()

@@ -62,3 +62,13 @@ def test_blocks_held_by_the_cache_alone_are_counted_apart() -> None:
     with pytest.raises(ValueError, match="already held by the prefix cache"):
         pool.incref(blocks[:1], by_cache=True)
         pool.incref(blocks[:1], by_cache=True)
+
+
+def test_holders_reports_references_and_cache_holds_as_copies():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.incref([b], by_cache=True)
+    ref_counts, cache_held = pool.holders()
+    assert ref_counts == [1, 2, 0] and cache_held == [False, True, False]
+    ref_counts[a] = 9
+    assert pool.ref_count(a) == 1

@@ -7,20 +7,26 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
 from yaie.server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    CompletionChoice,
     CompletionRequest,
+    CompletionResponse,
+    TokenizeRequest,
     Usage,
     chat_logprobs,
     completion_logprobs,
     describe_validation_error,
+    join_chat_chunks,
+    join_completion_chunks,
 )
 
-VOCAB = 1000
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
@@ -42,7 +48,7 @@ def validation_error(
 
 def refusal(request: ChatCompletionRequest | CompletionRequest) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as raised:
-        request.to_sampling_params(VOCAB)
+        request.to_sampling_params()
     return raised.value
 
 
@@ -96,6 +102,43 @@ def test_missing_field_message() -> None:
 def test_union_errors_name_the_deepest_branch() -> None:
     assert validation_error(CompletionRequest, {"model": "m", "prompt": ["a", 1]}).param == "prompt[1]"
     assert validation_error(CompletionRequest, {"model": "m", "prompt": 5}).param == "prompt"
+
+
+LONE = "\ud800"  # what the JSON escape \\ud800 decodes to: not encodable as UTF-8
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        (CompletionRequest, {"model": "m", "prompt": f"Hi {LONE}"}, "prompt"),
+        (CompletionRequest, {"model": "m", "prompt": ["ok", LONE]}, "prompt[1]"),
+        (CompletionRequest, {"model": "m", "prompt": "Hi", "stop": LONE}, "stop"),
+        (CompletionRequest, {"model": "m", "prompt": "Hi", "stop": ["ok", "\udfff"]}, "stop[1]"),
+        (
+            ChatCompletionRequest,
+            {"model": "m", "messages": [{"role": "user", "content": LONE}]},
+            "messages[0].content",
+        ),
+        (
+            ChatCompletionRequest,
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+            "messages[0].content[0].text",
+        ),
+        (ChatCompletionRequest, {"model": LONE, "messages": HELLO}, "model"),
+        (TokenizeRequest, {"prompt": LONE}, "prompt"),
+    ],
+)
+def test_lone_surrogates_are_refused_by_field(model: type[BaseModel], body: Any, param: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(body)
+    error = describe_validation_error(raised.value.errors())
+    assert error.param == param
+    assert error.message.startswith(f"{param}: invalid Unicode: a lone surrogate at position ")
+
+
+def test_valid_non_ascii_text_is_kept() -> None:
+    text = "naïve 日本語 🙂"
+    assert completion(prompt=text, stop=[text]).prompt == text
 
 
 def test_fastapi_errors() -> None:
@@ -159,16 +202,14 @@ def test_empty_prompt_is_refused(prompt: Any) -> None:
 
 
 def test_defaults_follow_openai() -> None:
-    params = chat().to_sampling_params(VOCAB)
+    params = chat().to_sampling_params()
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.n == 1
     assert params.max_tokens is None  # the rest of the context
     assert params.logprobs is None
 
 
 def test_explicit_nulls_mean_defaults() -> None:
-    params = chat(temperature=None, top_p=None, stop=None, seed=None, logit_bias=None).to_sampling_params(
-        VOCAB
-    )
+    params = chat(temperature=None, top_p=None, stop=None, seed=None, logit_bias=None).to_sampling_params()
     assert params.temperature == 1.0 and params.stop == [] and params.seed is None
 
 
@@ -194,7 +235,7 @@ def test_every_sampling_field_is_mapped() -> None:
         logprobs=True,
         top_logprobs=4,
         user="someone",
-    ).to_sampling_params(VOCAB)
+    ).to_sampling_params()
     assert (params.n, params.max_tokens, params.temperature, params.top_p, params.top_k) == (
         2,
         7,
@@ -216,18 +257,18 @@ def test_every_sampling_field_is_mapped() -> None:
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling_params(VOCAB).max_tokens == 9
+    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling_params().max_tokens == 9
 
 
 def test_chat_logprobs_without_top_logprobs() -> None:
-    assert chat(logprobs=True).to_sampling_params(VOCAB).logprobs == 0
-    assert chat(logprobs=False).to_sampling_params(VOCAB).logprobs is None
+    assert chat(logprobs=True).to_sampling_params().logprobs == 0
+    assert chat(logprobs=False).to_sampling_params().logprobs is None
 
 
 def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
-    assert completion(echo=True, logprobs=2).to_sampling_params(VOCAB).prompt_logprobs == 2
-    assert completion(echo=True).to_sampling_params(VOCAB).prompt_logprobs is None
-    assert completion(logprobs=2).to_sampling_params(VOCAB).prompt_logprobs is None
+    assert completion(echo=True, logprobs=2).to_sampling_params().prompt_logprobs == 2
+    assert completion(echo=True).to_sampling_params().prompt_logprobs is None
+    assert completion(logprobs=2).to_sampling_params().prompt_logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -241,7 +282,6 @@ def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
         (chat(top_logprobs=2), "top_logprobs"),
         (chat(logit_bias={"x": 1}), "logit_bias"),
         (chat(logit_bias={"-1": 1}), "logit_bias"),
-        (chat(logit_bias={str(VOCAB): 1}), "logit_bias"),
         (chat(stream_options={"include_usage": True}), "stream_options"),
         (chat(tools=[{"type": "function"}]), "tools"),
         (chat(tool_choice="auto"), "tool_choice"),
@@ -260,8 +300,14 @@ def test_refusals_name_the_request_field(
 
 
 def test_accepted_no_ops() -> None:
-    chat(tools=[], tool_choice="none", response_format={"type": "text"}).to_sampling_params(VOCAB)
-    completion(best_of=3, n=3).to_sampling_params(VOCAB)
+    chat(tools=[], tool_choice="none", response_format={"type": "text"}).to_sampling_params()
+    completion(best_of=3, n=3).to_sampling_params()
+
+
+def test_logit_bias_keys_are_parsed_not_checked_against_the_vocabulary() -> None:
+    # The engine, which knows the vocabulary, refuses ids beyond it (tests/e2e/test_bad_inputs.py).
+    params = chat(logit_bias={"99999999": 1, "0": -1}).to_sampling_params()
+    assert params.logit_bias == {99999999: 1.0, 0: -1.0}
 
 
 def test_engine_errors_are_renamed_to_the_request_field() -> None:
@@ -300,7 +346,7 @@ def test_any_sampling_fields_are_accepted_or_refused_by_name(fields: dict[str, A
     """Whatever the values, the answer is SamplingParams or a 400 naming a field that was sent."""
     try:
         request = chat(**fields)
-        request.to_sampling_params(VOCAB)
+        request.to_sampling_params()
     except ValidationError as exc:
         param = describe_validation_error(exc.errors()).param
         assert param is not None and param.split("[")[0] in fields
@@ -363,3 +409,87 @@ def test_usage_totals() -> None:
         "total_tokens": 12,
         "prompt_tokens_details": {"cached_tokens": 4},
     }
+
+
+# -- joining a stream's chunks ----------------------------------------------------------------
+
+USAGE = Usage.of(prompt_tokens=3, completion_tokens=4, cached_tokens=0)
+
+
+def chat_chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+    return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=choices, usage=usage)
+
+
+def test_chat_chunks_join_into_the_whole_response() -> None:
+    logprob = {token_id: TokenLogprob(token_id, -0.5 * token_id) for token_id in (1, 2, 4)}
+
+    def content(index: int, token_id: int) -> ChatCompletionChunk:
+        logprobs = chat_logprobs([logprob[token_id]], decode)
+        delta = {"content": decode(token_id)}
+        return chat_chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
+
+    def finish(index: int, reason: str) -> ChatCompletionChunk:
+        return chat_chunk([ChatChunkChoice(index=index, delta={}, finish_reason=reason)])
+
+    roles = [ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in (0, 1)]
+    chunks = [
+        chat_chunk(roles),
+        content(1, 4),
+        content(0, 1),
+        finish(1, "length"),
+        content(0, 2),
+        finish(0, "stop"),
+        chat_chunk([], usage=USAGE),
+    ]
+    response = join_chat_chunks(chunks)
+    assert (response.id, response.created, response.model, response.usage) == ("chatcmpl-1", 7, "m", USAGE)
+    assert [choice.index for choice in response.choices] == [0, 1]
+    first, second = response.choices
+    assert (first.message.content, first.finish_reason) == ("Hello", "stop")
+    assert first.logprobs == chat_logprobs([logprob[1], logprob[2]], decode)
+    assert (second.message.content, second.finish_reason) == ("!", "length")
+    assert second.logprobs == chat_logprobs([logprob[4]], decode)
+
+
+def test_chat_chunks_without_logprobs_join_without_them() -> None:
+    chunks = [
+        chat_chunk([ChatChunkChoice(index=0, delta={"role": "assistant", "content": ""})]),
+        chat_chunk([ChatChunkChoice(index=0, delta={"content": "Hi"})]),
+        chat_chunk([ChatChunkChoice(index=0, delta={}, finish_reason="stop")]),
+        chat_chunk([], usage=USAGE),
+    ]
+    [choice] = join_chat_chunks(chunks).choices
+    assert (choice.message.content, choice.logprobs) == ("Hi", None)
+
+
+def test_completion_chunks_join_into_the_whole_response() -> None:
+    """Streamed logprobs columns continue each other's text offsets, so joined they equal the
+    columns of the whole text."""
+    tokens = [(1, None), (2, TokenLogprob(2, -0.25, [(2, -0.25)])), (4, TokenLogprob(4, -2.0, []))]
+    head = completion_logprobs(tokens[:2], decode, 0)
+    tail = completion_logprobs(tokens[2:], decode, len("Hello"))
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id="cmpl-1", created=7, model="m", choices=choices, usage=usage)
+
+    chunks = [
+        chunk([CompletionChoice(index=1, text="Bye")]),
+        chunk([CompletionChoice(index=0, text="Hello", logprobs=head)]),
+        chunk([CompletionChoice(index=0, text="!", logprobs=tail)]),
+        chunk([CompletionChoice(index=1, text="", finish_reason="stop")]),
+        chunk([CompletionChoice(index=0, text="", finish_reason="length")]),
+        chunk([], usage=USAGE),
+    ]
+    response = join_completion_chunks(chunks)
+    assert (response.id, response.created, response.model, response.usage) == ("cmpl-1", 7, "m", USAGE)
+    first, second = response.choices
+    assert (first.index, first.text, first.finish_reason) == (0, "Hello!", "length")
+    assert first.logprobs == completion_logprobs(tokens, decode, 0)
+    assert (second.index, second.text, second.logprobs, second.finish_reason) == (1, "Bye", None, "stop")
+
+
+def test_chunks_must_end_with_the_usage() -> None:
+    with pytest.raises(ValueError, match="usage"):
+        join_chat_chunks([chat_chunk([ChatChunkChoice(index=0, delta={"content": "Hi"})])])
+    with pytest.raises(ValueError, match="usage"):
+        join_completion_chunks([])

@@ -303,6 +303,48 @@ def test_deep_tree_does_not_hit_recursion_limit() -> None:
     assert pool.num_free == 3000
 
 
+def test_match_counts_hits_on_the_nodes_it_reuses() -> None:
+    pool, cache = make()
+    cache_seq(pool, cache, [1, 2, 3, 4, 5, 6])
+    pool.free(cache.match_prefix([1, 2, 3, 4, 9, 9]))  # reuses the first two blocks of the edge
+    cache_seq(pool, cache, [1, 2, 3, 4, 7, 7])  # splits the edge after them
+    pool.free(cache.match_prefix([1, 2, 3, 4, 7, 7, 0]))
+    pool.free(cache.match_prefix([8, 8]))  # a miss touches nothing
+    views = cache.top_levels(depth=2, limit=10)
+    by_tokens = {view.tokens: view for view in views}
+    assert by_tokens[(1, 2, 3, 4)].hits == 2  # both matches went through the shared part
+    assert by_tokens[(7, 7)].hits == 1
+    assert by_tokens[(5, 6)].hits == 1  # the hit before the split stays with both halves
+
+
+def test_top_levels_walks_breadth_first_within_depth_and_limit() -> None:
+    pool, cache = make(num_blocks=32)
+    cache_seq(pool, cache, [1, 1, 2, 2, 3, 3])
+    cache_seq(pool, cache, [1, 1, 2, 2, 4, 4])
+    cache_seq(pool, cache, [1, 1, 5, 5])
+    cache_seq(pool, cache, [6, 6])
+    views = cache.top_levels(depth=2, limit=10)
+    assert [(v.parent, v.depth, v.start, v.tokens) for v in views] == [
+        (-1, 1, 0, (1, 1)),
+        (-1, 1, 0, (6, 6)),
+        (0, 2, 2, (2, 2)),
+        (0, 2, 2, (5, 5)),
+    ]
+    assert views[2].num_children == 2  # its children lie below the depth asked for
+    assert views[0].blocks == edges(cache)[(1, 1)]
+    assert len(cache.top_levels(depth=3, limit=3)) == 3
+    assert cache.top_levels(depth=3, limit=10)[-1].depth == 3
+
+
+def test_evict_counts_the_blocks_it_frees() -> None:
+    pool, cache = make()
+    cache_seq(pool, cache, [1, 2, 3, 4])
+    cache_seq(pool, cache, [5, 6])
+    assert cache.evict(2) == 2
+    assert cache.evict(5) == 1
+    assert cache.num_evicted_blocks == 3
+
+
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError):
         RadixCache(BlockPool(1), 0)

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 
+from yaie.sampling import draw as draw_module
+from yaie.sampling import logprobs as logprobs_module
 from yaie.sampling import sampler as sampler_module
-from yaie.sampling.sampler import (
-    TOP_P_PROBE,
-    Sampler,
-    SamplingSeq,
-    process_logits,
-    prompt_logprobs,
-    truncation_thresholds,
-)
+from yaie.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from yaie.sampling.truncation import TOP_P_PROBE, Truncation
 from yaie.sampling_params import SamplingParams
 
 EOS = 1
@@ -34,19 +32,34 @@ def _seed_global_rng() -> None:
     torch.manual_seed(1234)
 
 
+@dataclass
+class Row:
+    """One row of a batch, as the engine's sequences present it to the sampler."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
 def make_seq(
     prompt: list[int] | None = None,
     output: list[int] | None = None,
     generator: torch.Generator | None = None,
     **params: object,
-) -> SamplingSeq:
-    return SamplingSeq(SamplingParams(**params), list(prompt or []), list(output or []), generator)  # type: ignore[arg-type]
+) -> Row:
+    return Row(SamplingParams(**params), list(prompt or []), list(output or []), generator)  # type: ignore[arg-type]
+
+
+def run(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[Row]) -> SamplerOutput:
+    """One engine step's worth of sampling: prepare the batch, then sample it."""
+    return sampler.sample(logits, sampler.prepare(seqs, logits.device))
 
 
 def draw_counts(logits: torch.Tensor, num: int = NUM_DRAWS, **params: object) -> torch.Tensor:
     """Sample num tokens from one row of logits, as num identical rows of one batch."""
     batch = logits.expand(num, -1).contiguous()
-    out = Sampler([EOS])(batch, [make_seq(**params)] * num)  # rows only read their seq
+    out = run(Sampler([EOS]), batch, [make_seq(**params)] * num)  # rows only read their seq
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits.numel())
 
 
@@ -152,13 +165,13 @@ def test_draw_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # The full-row draw's two-level inverse CDF: with chunks of 4 tokens a vocabulary of 10 has
     # two full chunks and a short tail chunk, and every token must keep its odds. (min_p cuts
     # on full rows; top_k would draw among its candidates instead.)
-    monkeypatch.setattr(sampler_module, "DRAW_CHUNK", 4)
+    monkeypatch.setattr(draw_module, "DRAW_CHUNK", 4)
     assert_follows(draw_counts(LOGITS), reference_probs(LOGITS))
     assert_follows(draw_counts(LOGITS, min_p=0.2), reference_probs(LOGITS, min_p=0.2))
 
 
 def test_draw_across_chunk_edges_of_a_large_vocab() -> None:
-    vocab = 2 * sampler_module.DRAW_CHUNK + 300  # two full chunks and a tail
+    vocab = 2 * draw_module.DRAW_CHUNK + 300  # two full chunks and a tail
     likely = [0, 511, 512, 1023, 1024, vocab - 1]
     logits = torch.full((vocab,), -30.0)
     logits[likely] = torch.tensor([0.5, 1.0, 0.0, 0.8, 0.2, 1.1])
@@ -183,19 +196,19 @@ def test_full_row_and_candidate_draws_agree(monkeypatch: pytest.MonkeyPatch) -> 
 
         monkeypatch.setattr(sampler_module, name, recorded)
 
-    spy("_draw_full_rows")
-    spy("_draw_from_candidates")
+    spy("draw_full_rows")
+    spy("draw_from_candidates")
 
-    def seeded() -> list[SamplingSeq]:
+    def seeded() -> list[Row]:
         return [
             make_seq(generator=torch.Generator().manual_seed(s), seed=s, top_k=40, temperature=0.7)
             for s in range(num)
         ]
 
-    candidates = Sampler()(logits, seeded()).token_ids
+    candidates = run(Sampler(), logits, seeded()).token_ids
     with_plain_row = torch.cat([logits, torch.zeros(1, vocab)])
-    full_rows = Sampler()(with_plain_row, [*seeded(), make_seq()]).token_ids[:num]
-    assert paths == ["_draw_from_candidates", "_draw_full_rows"]
+    full_rows = run(Sampler(), with_plain_row, [*seeded(), make_seq()]).token_ids[:num]
+    assert paths == ["draw_from_candidates", "draw_full_rows"]
     assert candidates == full_rows
     assert len(set(candidates)) > 20
 
@@ -250,33 +263,42 @@ def test_truncation_thresholds_match_the_reference_with_ties_and_full_sort_fallb
     ]
     logits = torch.stack([c[0] for c in cases])
     top_k, top_p, min_p = ([c[i] for c in cases] for i in (1, 2, 3))
-    threshold = truncation_thresholds(logits, top_k, top_p, min_p)
+    threshold = Truncation(top_k, top_p, min_p).cut(logits).threshold
     assert threshold is not None
     for row, (x, k, p, m) in enumerate(cases):
         kept = set((logits[row] >= threshold[row]).nonzero().flatten().tolist())
         assert kept == reference_kept(x, k, p, m), f"case {row}"
         # A row's cut-off does not depend on the rest of the batch.
-        alone = truncation_thresholds(x.unsqueeze(0), [k], [p], [m])
+        alone = Truncation([k], [p], [m]).cut(x.unsqueeze(0)).threshold
         expected = torch.tensor([-math.inf]) if alone is None else alone
         assert torch.equal(expected, threshold[row : row + 1])
-    assert truncation_thresholds(logits, [0] * len(cases), [1.0] * len(cases), [0.0] * len(cases)) is None
+    no_cut = Truncation([0] * len(cases), [1.0] * len(cases), [0.0] * len(cases))
+    assert no_cut.cut(logits).threshold is None
 
 
 # -- logits processing --------------------------------------------------------------------------
 
 
-def reference_process(row: list[float], seq: SamplingSeq, eos: list[int]) -> list[float]:
-    """Steps 1-2 one token at a time, in float32 arithmetic like the sampler's tensors."""
+def processed_logits(logits: torch.Tensor, seqs: Sequence[Row], eos: list[int]) -> torch.Tensor:
+    """Stage 1 as the Sampler runs it: its batch's logits processors, in order, on a float32
+    copy of logits [B, V]."""
+    sampler = Sampler(eos)
+    out = logits.to(torch.float32, copy=True)
+    for processor in sampler.prepare(seqs, logits.device).processors:
+        processor.apply(out)
+    return out
+
+
+def reference_process(row: list[float], seq: Row, eos: list[int]) -> list[float]:
+    """Stage 1 one token at a time, in float32 arithmetic like the sampler's tensors."""
     f32 = np.float32
     out = [f32(v) for v in row]
-    params = seq.params
+    params = seq.sampling_params
     for token_id, bias in params.logit_bias.items():
-        if token_id < len(out):
-            out[token_id] = f32(out[token_id] + f32(bias))
+        out[token_id] = f32(out[token_id] + f32(bias))
     if len(seq.output_token_ids) < params.min_tokens:
         for token_id in params.stop_token_ids + ([] if params.ignore_eos else eos):
-            if token_id < len(out):
-                out[token_id] = f32(-np.inf)
+            out[token_id] = f32(-np.inf)
     penalty = f32(params.repetition_penalty)
     for token_id in set(seq.prompt_token_ids) | set(seq.output_token_ids):
         v = out[token_id]
@@ -303,17 +325,19 @@ def test_process_logits_matches_the_reference_formulas() -> None:
             repetition_penalty=1.5,
             frequency_penalty=2.0,
             presence_penalty=0.5,
-            logit_bias={22: 3.0, 23: -100.0, 0: 5.0, vocab + 7: 50.0},  # out-of-vocab id: ignored
+            # (The engine refuses out-of-vocabulary ids before they reach the sampler.)
+            logit_bias={22: 3.0, 23: -100.0, 0: 5.0},
             min_tokens=8,
-            stop_token_ids=[40, vocab + 3],
+            stop_token_ids=[40],
         ),
         make_seq([], [EOS], min_tokens=3, ignore_eos=True, stop_token_ids=[41]),
         make_seq([], [], temperature=0.0, logit_bias={49: 2.5}),
     ]
     logits = 3.0 * torch.randn(len(seqs), vocab, generator=gen)
     before = logits.clone()
-    processed = process_logits(logits, seqs, [EOS, 2])
+    run(Sampler([EOS, 2]), logits, seqs)
     assert torch.equal(logits, before), "the input logits must stay untouched"
+    processed = processed_logits(logits, seqs, [EOS, 2])
     expected = torch.tensor([reference_process(logits[i].tolist(), s, [EOS, 2]) for i, s in enumerate(seqs)])
     assert torch.equal(processed, expected)
     # Spot checks of the formulas on the reference itself.
@@ -329,9 +353,9 @@ def test_logit_bias_minus_100_bans_a_token() -> None:
     counts = draw_counts(logits, num=5000, logit_bias={best: -100.0})
     assert counts[best] == 0
     sampler = Sampler()
-    greedy = sampler(logits.unsqueeze(0), [make_seq(temperature=0.0, logit_bias={best: -100.0})])
+    greedy = run(sampler, logits.unsqueeze(0), [make_seq(temperature=0.0, logit_bias={best: -100.0})])
     assert greedy.token_ids[0] != best
-    forced = sampler(logits.unsqueeze(0), [make_seq(temperature=1.0, logit_bias={6: 100.0})])
+    forced = run(sampler, logits.unsqueeze(0), [make_seq(temperature=1.0, logit_bias={6: 100.0})])
     assert forced.token_ids == [6]
 
 
@@ -344,7 +368,7 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
 
     def tokens(output: list[int], **params: object) -> list[int]:
         seqs = [make_seq([], output, min_tokens=3, stop_token_ids=[stop], **params) for _ in range(500)]
-        return sampler(batch, seqs).token_ids
+        return run(sampler, batch, seqs).token_ids
 
     for temperature in (0.0, 1.0):
         short = tokens([7, 8], temperature=temperature)
@@ -385,7 +409,7 @@ def generate_seeded(seed: int, row: int, batch: int, steps: int = 25, vocab: int
         seqs = [*others[:row], ours, *others[row:]]
         logits = 0.05 * torch.randn(batch, vocab)
         logits[row] = step_logits(step, vocab)
-        token = sampler(logits, seqs).token_ids[row]
+        token = run(sampler, logits, seqs).token_ids[row]
         ours.output_token_ids.append(token)
         tokens.append(token)
     return tokens
@@ -424,39 +448,44 @@ LOGPROB_BATCHES = {
 def test_logprobs_are_those_of_the_processed_scaled_logits(batch: str) -> None:
     seqs = LOGPROB_BATCHES[batch]
     logits = 2.0 * torch.randn(len(seqs), 40, generator=torch.Generator().manual_seed(5))
-    out = Sampler([EOS])(logits, seqs)
-    processed = process_logits(logits, seqs, [EOS])
+    out = run(Sampler([EOS]), logits, seqs)
+    processed = processed_logits(logits, seqs, [EOS])
     # Greedy rows are reported at temperature 1.
-    temperatures = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(1)
+    temperatures = torch.tensor([s.sampling_params.temperature or 1.0 for s in seqs]).unsqueeze(1)
     expected = torch.log_softmax(processed / temperatures, dim=-1)
-    assert out.logprobs is not None and out.top_logprobs is not None
+    assert out.logprobs is not None
 
     for row, seq in enumerate(seqs):
-        k = seq.params.logprobs
+        k = seq.sampling_params.logprobs
+        entry = out.logprobs[row]
         if k is None:
-            assert math.isnan(out.logprobs[row]) and out.top_logprobs[row] == []
+            assert entry is None
             continue
         token = out.token_ids[row]
-        assert out.logprobs[row] == pytest.approx(float(expected[row, token]), abs=1e-6)
-        top = out.top_logprobs[row]
+        assert entry is not None and entry.token_id == token
+        assert entry.logprob == pytest.approx(float(expected[row, token]), abs=1e-6)
+        top = entry.top
         assert len(top) == k
         assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
         ref_values, ref_ids = expected[row].topk(k)
         assert [t for t, _ in top] == ref_ids.tolist()
         assert [lp for _, lp in top] == pytest.approx(ref_values.tolist(), abs=1e-6)
-        if seq.params.greedy:
+        if seq.sampling_params.greedy:
             # The greedy token is the most likely one.
             assert token == int(processed[row].argmax())
             if k:
-                assert top[0] == (token, out.logprobs[row])
+                assert top[0] == (token, entry.logprob)
 
 
 def test_no_logprobs_and_greedy_fast_path() -> None:
     logits = torch.randn(3, 30)
-    out = Sampler([EOS])(logits, [make_seq(temperature=0.0) for _ in range(3)])
+    sampler = Sampler([EOS])
+    greedy = [make_seq(temperature=0.0) for _ in range(3)]
+    assert sampler.prepare(greedy, logits.device).plain_greedy
+    out = run(sampler, logits, greedy)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
-    assert out.logprobs is None and out.top_logprobs is None
-    mixed = Sampler([EOS])(logits, [make_seq(temperature=0.0), make_seq(), make_seq(temperature=0.0)])
+    assert out.logprobs is None
+    mixed = run(sampler, logits, [make_seq(temperature=0.0), make_seq(), make_seq(temperature=0.0)])
     assert mixed.logprobs is None
     assert [mixed.token_ids[0], mixed.token_ids[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]
 
@@ -464,13 +493,14 @@ def test_no_logprobs_and_greedy_fast_path() -> None:
 def test_sampler_leaves_the_logits_untouched() -> None:
     logits = torch.randn(2, 30)
     before = logits.clone()
-    Sampler([EOS])(logits, [make_seq(top_k=5, repetition_penalty=1.2, output=[1]), make_seq(temperature=0.5)])
+    seqs = [make_seq(top_k=5, repetition_penalty=1.2, output=[1]), make_seq(temperature=0.5)]
+    run(Sampler([EOS]), logits, seqs)
     assert torch.equal(logits, before)
 
 
 @pytest.mark.parametrize("k", [0, 1, 4])
 def test_prompt_logprobs_are_raw_log_softmax_gathers(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
-    monkeypatch.setattr(sampler_module, "PROMPT_LOGPROBS_CHUNK", 3)  # several chunks
+    monkeypatch.setattr(logprobs_module, "PROMPT_LOGPROBS_CHUNK", 3)  # several chunks
     gen = torch.Generator().manual_seed(9)
     logits = 3.0 * torch.randn(7, 25, generator=gen)
     next_ids = torch.randint(0, 25, (7,), generator=gen)
@@ -481,3 +511,121 @@ def test_prompt_logprobs_are_raw_log_softmax_gathers(monkeypatch: pytest.MonkeyP
         assert entry.logprob == pytest.approx(float(expected[pos, next_ids[pos]]), abs=1e-6)
         assert [t for t, _ in entry.top] == (expected[pos].topk(k).indices.tolist() if k else [])
         assert [lp for _, lp in entry.top] == pytest.approx(expected[pos].topk(k).values.tolist(), abs=1e-6)
+
+
+# -- seeded draws pinned across the sampler's rewrite -------------------------------------------
+
+# Every control, one configuration each, as one seeded row.
+PIN_VOCAB = 1500
+PIN_STEPS = 8
+PIN_CONFIGS: dict[str, dict[str, object]] = {
+    "temperature": {"temperature": 0.7},
+    "top_k": {"temperature": 1.0, "top_k": 20},
+    "top_p": {"temperature": 0.9, "top_p": 0.8},
+    "top_p_flat": {"temperature": 1.0, "top_p": 0.9},  # nucleus past the probe: the full sort
+    "min_p": {"temperature": 1.2, "min_p": 0.05},
+    "truncation": {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "min_p": 0.02},
+    "penalties": {
+        "temperature": 1.0,
+        "top_k": 40,
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+    },
+    "logit_bias": {"temperature": 1.0, "logit_bias": {3: 6.0, 10: 4.0, 17: -100.0}},
+    "min_tokens": {"temperature": 1.0, "min_tokens": 5, "stop_token_ids": [4]},
+    "logprobs": {"temperature": 0.8, "top_k": 100, "logprobs": 3},
+}
+# Rows that share the mixed batch: greedy, unseeded, and greedy with processors and logprobs.
+PIN_FILLERS: list[dict[str, object]] = [
+    {"temperature": 0.0},
+    {"temperature": 1.1},
+    {"temperature": 0.0, "repetition_penalty": 1.5, "logit_bias": {5: 3.0}, "logprobs": 2},
+]
+# Recorded with the sampler before its rewrite into stages (commit 6cf217a).
+PINNED_TOKENS = {
+    "temperature": [393, 825, 1426, 1264, 1284, 1484, 1445, 612],
+    "top_k": [1469, 641, 1118, 411, 1283, 814, 407, 860],
+    "top_p": [860, 39, 158, 715, 859, 63, 287, 535],
+    "top_p_flat": [539, 573, 104, 492, 519, 1152, 1275, 877],
+    "min_p": [745, 270, 871, 29, 475, 1052, 1208, 1268],
+    "truncation": [1302, 1358, 178, 172, 6, 187, 1050, 1324],
+    "penalties": [860, 317, 625, 622, 1362, 1294, 523, 431],
+    "logit_bias": [1305, 1130, 1297, 860, 509, 3, 1368, 954],
+    "min_tokens": [629, 13, 80, 274, 1214, 1, 1, 1],
+    "logprobs": [1391, 450, 709, 671, 786, 932, 236, 965],
+}
+PINNED_TOP_IDS = [  # the "logprobs" row's alternatives, step by step
+    [602, 49, 1391],
+    [1405, 186, 845],
+    [709, 1265, 146],
+    [671, 8, 593],
+    [786, 1294, 706],
+    [932, 125, 274],
+    [236, 703, 402],
+    [270, 28, 1229],
+]
+PINNED_GREEDY_FILLERS = {
+    0: [211, 1413, 1455, 714, 904, 1366, 243, 66],
+    2: [352, 552, 224, 67, 502, 377, 761, 259],
+}
+
+
+def pin_logits(index: int, name: str, step: int) -> torch.Tensor:
+    """Fixed random logits [PIN_VOCAB] for one row and step."""
+    x = (0.3 if name == "top_p_flat" else 2.5) * torch.randn(
+        PIN_VOCAB, generator=torch.Generator().manual_seed(100 * index + step)
+    )
+    if name == "min_tokens":  # EOS and the stop id win as soon as they are allowed
+        x[EOS] += 14.0
+        x[4] += 13.0
+    return x
+
+
+def pin_row(name: str, seed: int) -> Row:
+    params = SamplingParams(seed=seed, **PIN_CONFIGS[name])  # type: ignore[arg-type]
+    return Row(params, [7, 8, 9, 10, 10], [], torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", PIN_CONFIGS)
+def test_seeded_draws_are_pinned_alone(name: str) -> None:
+    """A regression pin, generated from the sampler as it was before its rewrite into stages:
+    the refactor must give every seeded configuration the very tokens it gave before."""
+    index = list(PIN_CONFIGS).index(name)
+    sampler = Sampler([EOS, 2])
+    row = pin_row(name, 500 + index)
+    tokens, top_ids = [], []
+    for step in range(PIN_STEPS):
+        out = run(sampler, pin_logits(index, name, step).unsqueeze(0), [row])
+        tokens.append(out.token_ids[0])
+        if out.logprobs is not None:
+            entry = out.logprobs[0]
+            assert entry is not None
+            top_ids.append([token for token, _ in entry.top])
+        row.output_token_ids.append(out.token_ids[0])
+    assert tokens == PINNED_TOKENS[name]
+    assert top_ids == (PINNED_TOP_IDS if name == "logprobs" else [])
+
+
+def test_seeded_draws_are_pinned_in_a_mixed_batch() -> None:
+    """The same regression pin with every configuration in one batch, interleaved with greedy
+    and unseeded rows: each seeded row gets its tokens of `test_seeded_draws_are_pinned_alone`,
+    and the greedy rows theirs from before the rewrite."""
+    sampler = Sampler([EOS, 2])
+    torch.manual_seed(99)
+    seeded = {name: pin_row(name, 500 + index) for index, name in enumerate(PIN_CONFIGS)}
+    fillers = [Row(SamplingParams(**params), [7, 8]) for params in PIN_FILLERS]  # type: ignore[arg-type]
+    for step in range(PIN_STEPS):
+        rows, logits = [], []
+        for index, (name, row) in enumerate(seeded.items()):
+            rows.append(row)
+            logits.append(pin_logits(index, name, step))
+            if index < len(fillers):
+                rows.append(fillers[index])
+                logits.append(pin_logits(50 + index, "filler", step))
+        out = run(sampler, torch.stack(logits), rows)
+        for row, token in zip(rows, out.token_ids, strict=True):
+            row.output_token_ids.append(token)
+    assert {name: row.output_token_ids for name, row in seeded.items()} == PINNED_TOKENS
+    for index, tokens in PINNED_GREEDY_FILLERS.items():
+        assert fillers[index].output_token_ids == tokens

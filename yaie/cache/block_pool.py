@@ -42,6 +42,11 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    def holders(self) -> tuple[list[int], list[bool]]:
+        """Copies of every block's reference count and whether the prefix cache holds one of
+        them, indexed by block id: the whole pool in two list copies, for the engine view."""
+        return list(self._ref_counts), list(self._held_by_cache)
+
     def allocate(self, count: int) -> list[int]:
         """Take `count` free blocks, each with one reference held by the caller."""
         if count > len(self._free):

@@ -29,7 +29,9 @@ This module is pure Python and must never import torch.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from yaie.cache.block_pool import BlockPool
 
@@ -41,7 +43,7 @@ class _Node:
     empty) and `blocks` holds one block id per block_size tokens of it.
     """
 
-    __slots__ = ("blocks", "children", "heap_id", "last_access", "parent", "tokens")
+    __slots__ = ("blocks", "children", "heap_id", "hits", "last_access", "parent", "tokens")
 
     def __init__(self, tokens: tuple[int, ...], blocks: list[int], parent: _Node | None, stamp: int) -> None:
         self.tokens = tokens
@@ -49,8 +51,22 @@ class _Node:
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = stamp
+        self.hits = 0  # how many match_prefix calls reused (part of) this edge
         # Id of this node's one valid eviction-heap entry; older entries for it are stale (see _push_leaf).
         self.heap_id = -1
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node of the tree as `top_levels` shows it: read-only, for the engine view."""
+
+    parent: int  # index of the parent in the same list; -1 under the root
+    depth: int  # 1 for the root's children
+    start: int  # tokens from the root to the start of this edge
+    tokens: tuple[int, ...]  # the edge's tokens
+    blocks: list[int]  # one block id per block_size tokens of them
+    hits: int
+    num_children: int
 
 
 class RadixCache:
@@ -68,6 +84,7 @@ class RadixCache:
         # because their heap_id no longer matches the node's. heap_id also breaks ties in last_access.
         self._heap: list[tuple[int, int, _Node]] = []
         self._next_heap_id = 0
+        self.num_evicted_blocks = 0  # since the start, for the engine view's events
 
     # ---------------------------------------------------------------- public API
 
@@ -126,6 +143,8 @@ class RadixCache:
             node = child
         if path:
             self._touch(path)
+        for child in path:
+            child.hits += 1
         self.pool.incref(matched)
         return matched
 
@@ -183,6 +202,7 @@ class RadixCache:
                 self.pool.free(victims, by_cache=True)  # each had ref count 1, so each goes to the free list
                 self._cached.difference_update(victims)
                 freed += k
+                self.num_evicted_blocks += k
                 if k == len(blocks):
                     self._detach(node)
                     continue
@@ -194,6 +214,22 @@ class RadixCache:
         for node in blocked:
             self._push_leaf(node)
         return freed
+
+    def top_levels(self, depth: int, limit: int) -> list[NodeView]:
+        """The first `depth` levels of the tree, breadth first, at most `limit` nodes: what the
+        engine view draws. Copies only the block lists; the token tuples are shared (immutable)."""
+        views: list[NodeView] = []
+        queue = deque((child, -1, 1, 0) for child in self._root.children.values())
+        while queue and len(views) < limit:
+            node, parent, level, start = queue.popleft()
+            index = len(views)
+            views.append(
+                NodeView(parent, level, start, node.tokens, list(node.blocks), node.hits, len(node.children))
+            )
+            if level < depth:
+                end = start + len(node.tokens)
+                queue.extend((child, index, level + 1, end) for child in node.children.values())
+        return views
 
     def reset(self) -> None:
         """Drop every tree reference; blocks that requests still hold stay held."""
@@ -231,6 +267,7 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < k < len(child.blocks)
         upper = _Node(child.tokens[: k * bs], child.blocks[:k], parent, child.last_access)
+        upper.hits = child.hits  # every hit on the edge was a hit on its first part
         child.tokens = child.tokens[k * bs :]
         child.blocks = child.blocks[k:]
         child.parent = upper

@@ -1,7 +1,7 @@
 """`AsyncEngine`: the synchronous Engine behind an asyncio API, for the server.
 
 The Engine is not thread-safe, so one background thread owns it. That thread loops: run the
-commands queued by the event loop (add, abort, tokenize, ...), `step()` if anything is
+commands queued by the event loop (add, abort, ...), `step()` if anything is
 unfinished, and hand each output to its request's `asyncio.Queue` on the event loop. With
 nothing to do it sleeps on a condition variable, so an idle server costs no CPU.
 
@@ -23,10 +23,12 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from yaie.engine.engine import Engine, EngineStats
+from yaie.engine.snapshot import engine_snapshot
 from yaie.errors import YaieError
 from yaie.outputs import RequestOutput
 from yaie.sampling_params import SamplingParams
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Prompt = str | list[int]
+MAX_QUEUED_OUTPUTS = 1024  # per stream; each output is one step's tokens for every choice
+TOKENIZER_THREADS = 2  # enough that one huge input does not hold up everyone else's
 
 
 class EngineOverloadedError(YaieError):
@@ -53,15 +57,21 @@ class RequestStream:
     """The outputs of one request, in order, ending with the finished one.
 
     Lives on the event loop: iterate it from there, and `close()` it from there.
+
+    At most MAX_QUEUED_OUTPUTS outputs wait to be read: a reader that falls that far behind (its
+    client stopped reading, and the server's writes to it block) is treated as gone, and the
+    request is aborted (`overflowed`), rather than letting one client grow the server's memory
+    for as long as its request runs.
     """
 
     def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
         self._engine = engine
         # None is the wake-up sent by close(); an exception ends the stream with that error.
-        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue(MAX_QUEUED_OUTPUTS)
         self._done = False  # nothing more will be returned
         self.aborted = False  # closed before the request finished
+        self.overflowed = False  # aborted because its reader fell MAX_QUEUED_OUTPUTS behind
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -84,11 +94,17 @@ class RequestStream:
             return
         self._done = self.aborted = True
         self._engine._abort(self.request_id)
-        self._queue.put_nowait(None)
+        if not self._queue.full():  # a reader waits only on an empty queue
+            self._queue.put_nowait(None)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        if not self._done:  # after close(), late outputs have no reader
-            self._queue.put_nowait(item)
+        if self._done:  # after close(), late outputs have no reader
+            return
+        if self._queue.full():
+            self.overflowed = True
+            self.close()
+            return
+        self._queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -98,7 +114,7 @@ class AsyncEngine:
     returns once it has, and raises what it raised.
     """
 
-    engine: Engine  # set by the engine thread, before the constructor returns
+    _engine: Engine  # set by the engine thread, before the constructor returns; used only there
 
     def __init__(self, make_engine: Callable[[], Engine]) -> None:
         self._wakeup = threading.Condition()
@@ -106,15 +122,21 @@ class AsyncEngine:
         self._stopping = False  # guarded by _wakeup
         self._closed = False  # event-loop side: refuse new requests
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="yaie-tokenize"
+        )
         built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run, args=(make_engine, built), name="yaie-engine", daemon=True
         )
         self._thread.start()
         engine = built.result()
+        # What the server needs to know about the model, fixed once the engine is built.
+        self.model_info = engine.model_info
+        self.model_path: Path = engine.model_info.path
         self.tokenizer = engine.tokenizer  # decoding from other threads only reads it
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.model_info.max_model_len
+        self.vocab_size = engine.model_info.vocab_size
 
     # -- the event loop's side ----------------------------------------------------------------
 
@@ -122,18 +144,51 @@ class AsyncEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams, max_waiting: int | None = None
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError, EngineClosedError, or EngineOverloadedError
-        when `max_waiting` sequences (if given) already wait to be admitted."""
-        return await self._add(request_id, lambda engine: prompt, params, max_waiting)
+        (see add_requests). A text prompt is tokenized off the engine thread first."""
+        token_ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
+        (stream,) = await self.add_requests([(request_id, token_ids)], params, max_waiting)
+        return stream
 
-    async def add_chat_request(
+    async def add_requests(
         self,
-        request_id: str,
-        messages: list[dict[str, Any]],
+        requests: Sequence[tuple[str, list[int]]],
         params: SamplingParams,
         max_waiting: int | None = None,
-    ) -> RequestStream:
-        """Like add_request, with the prompt built from `messages` by the model's chat template."""
-        return await self._add(request_id, lambda engine: engine.encode_chat(messages), params, max_waiting)
+    ) -> list[RequestStream]:
+        """Queue (request id, prompt token ids) pairs together: all of them, or none.
+
+        `max_waiting` counts sequences, every choice of every request: EngineOverloadedError
+        (retry later) when these would push the number waiting past it.
+        """
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
+        num_seqs = len(requests) * params.n
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(request_id, self) for request_id, _ in requests]
+
+        def add(engine: Engine) -> None:
+            # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
+            if max_waiting is not None and engine.stats().num_waiting + num_seqs > max_waiting:
+                raise EngineOverloadedError(f"{max_waiting} sequences are already waiting; retry later")
+            added: list[str] = []
+            try:
+                for (request_id, token_ids), stream in zip(requests, streams, strict=True):
+                    engine.add_request(request_id, token_ids, params)
+                    added.append(request_id)
+                    self._streams[request_id] = (loop, stream)
+            except BaseException:
+                for request_id in added:
+                    self._streams.pop(request_id, None)
+                    engine.abort(request_id)
+                raise
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            for stream in streams:
+                stream.close()  # the add may have happened just before the caller went away
+            raise
+        return streams
 
     async def generate(
         self, request_id: str, prompt: Prompt, params: SamplingParams
@@ -146,12 +201,37 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    # Tokenizing runs on a small pool of its own threads, never on the engine's or the event
+    # loop's: the Rust tokenizer releases the GIL, so a huge input costs only its own request.
+    # These only read the tokenizer, as the engine thread does when it detokenizes.
+
     async def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, exactly as a prompt string would be tokenized."""
-        return await self._call(lambda engine: list(engine.tokenizer(text).input_ids))
+        """Token ids of `text`, exactly as the engine tokenizes a prompt string."""
+        return await self._off_thread(lambda: list(self.tokenizer(text).input_ids))
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._call(lambda engine: engine.encode_chat(messages))
+        """Token ids of a conversation through the model's chat template (Engine.encode_chat)."""
+        return await self._off_thread(lambda: self._engine.encode_chat(messages))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._off_thread(lambda: self.tokenizer.decode(token_ids))
+
+    async def _off_thread(self, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+
+    async def snapshot(self) -> dict[str, Any]:
+        """The engine's state for the engine view (yaie/engine/snapshot.py), taken between two
+        steps. Asking for it keeps the engine's step log recording for a few seconds."""
+        if self._closed:
+            raise EngineClosedError("the server is shutting down")
+
+        def take(engine: Engine) -> dict[str, Any]:
+            engine.step_log.watch()
+            return engine_snapshot(engine)
+
+        return await self._call(take)
 
     @property
     def is_running(self) -> bool:
@@ -169,32 +249,7 @@ class AsyncEngine:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join(timeout)
-
-    async def _add(
-        self,
-        request_id: str,
-        build_prompt: Callable[[Engine], Prompt],
-        params: SamplingParams,
-        max_waiting: int | None,
-    ) -> RequestStream:
-        if self._closed:
-            raise EngineClosedError("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self)
-
-        def add(engine: Engine) -> None:
-            # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
-            if max_waiting is not None and engine.stats().num_waiting >= max_waiting:
-                raise EngineOverloadedError(f"{max_waiting} requests are already waiting; retry later")
-            engine.add_request(request_id, build_prompt(engine), params)
-            self._streams[request_id] = (loop, stream)
-
-        try:
-            await self._call(add)
-        except asyncio.CancelledError:
-            stream.close()  # the add may have happened just before the caller went away
-            raise
-        return stream
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread, between two steps, and return its result."""
@@ -204,7 +259,7 @@ class AsyncEngine:
             if not future.set_running_or_notify_cancel():
                 return  # the caller stopped waiting
             try:
-                future.set_result(fn(self.engine))
+                future.set_result(fn(self._engine))
             except BaseException as exc:
                 future.set_exception(exc)
 
@@ -214,7 +269,7 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         def abort() -> None:
             self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
 
         self._submit(abort)
 
@@ -227,12 +282,12 @@ class AsyncEngine:
 
     def _run(self, make_engine: Callable[[], Engine], built: concurrent.futures.Future[Engine]) -> None:
         try:
-            self.engine = make_engine()
-            self._stats = self.engine.stats()  # replaced (never mutated) by this thread
+            self._engine = make_engine()
+            self._stats = self._engine.stats()  # replaced (never mutated) by this thread
         except BaseException as exc:
             built.set_exception(exc)
             return
-        built.set_result(self.engine)
+        built.set_result(self._engine)
         try:
             self._loop()
         except Exception:
@@ -244,7 +299,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                while not (self._commands or self._stopping or self._engine.has_unfinished_requests()):
                     self._wakeup.wait()
                 commands, stopping = list(self._commands), self._stopping
                 self._commands.clear()
@@ -255,16 +310,17 @@ class AsyncEngine:
                     logger.exception("engine command failed")
             if stopping:
                 return
-            if self.engine.has_unfinished_requests():
+            if self._engine.has_unfinished_requests():
                 self._step()
-            self._stats = self.engine.stats()
+            self._stats = self._engine.stats()
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except Exception as exc:
-            # We cannot tell which request broke the step, and the engine may be left halfway
-            # through it: fail everything in flight, and serve the next requests afresh.
+            # The engine fails a request that breaks a step by itself (Engine._forward), so this
+            # is a bug in the engine's own bookkeeping, and it may be left halfway through the
+            # step: fail everything in flight, and serve the next requests afresh.
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
             self._fail_all(RequestFailedError(f"the engine failed: {exc!r}"))
             return
@@ -274,7 +330,8 @@ class AsyncEngine:
                 continue  # aborted while this step ran
             if output.finished:
                 del self._streams[output.request_id]
-            self._deliver(output.request_id, entry, output)
+            failure = RequestFailedError(output.error) if output.error is not None else None
+            self._deliver(output.request_id, entry, failure or output)
 
     def _deliver(
         self,
@@ -288,13 +345,13 @@ class AsyncEngine:
         except RuntimeError:  # its event loop is closed: nobody is listening any more
             logger.warning("dropping request %s: its event loop is closed", request_id)
             self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for request_id, entry in streams.items():
             try:
-                self.engine.abort(request_id)
+                self._engine.abort(request_id)
             except Exception:  # keep failing the others; this one gets its error regardless
                 logger.exception("could not abort request %s", request_id)
             self._deliver(request_id, entry, error)

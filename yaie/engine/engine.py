@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,9 @@ from yaie.engine.model_runner import ModelRunner, RunnerOutput
 from yaie.engine.output_processor import OutputProcessor
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import SequenceStatus
+from yaie.engine.step_log import StepLog
 from yaie.errors import InvalidRequestError
-from yaie.model.loader import load_model
+from yaie.model.loader import LoadProgress, load_model
 from yaie.outputs import RequestOutput
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
@@ -107,7 +109,8 @@ def default_kv_cache_memory(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, load_progress: LoadProgress | None = None) -> None:
+        """`load_progress`: called with (tensors loaded, total) while the model loads."""
         self.config = config = config or EngineConfig()
         # Checked before anything loads, so a bad configuration leaves nothing half started.
         spec_config = None
@@ -116,7 +119,9 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
-        loaded = load_model(config.model, self.dtype, self.device, max_positions=config.max_model_len)
+        loaded = load_model(
+            config.model, self.dtype, self.device, max_positions=config.max_model_len, progress=load_progress
+        )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 
@@ -154,6 +159,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._ids = itertools.count()
+        self.step_log = StepLog()  # records steps only while the engine view watches
 
     def _max_model_len(self, num_blocks: int) -> int:
         cfg = self.model_config
@@ -185,6 +191,7 @@ class Engine:
                 # Any integer is a valid seed: fold it into the 64 bits a generator takes.
                 seq.generator = torch.Generator(self.device).manual_seed((params.seed + seq.index) % 2**64)
         self.scheduler.add(seqs[0], siblings=seqs[1:])
+        self.step_log.arrived(request_id)
         return request_id
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -255,6 +262,7 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        watched, started = self.step_log.watched, time.perf_counter()
         batch = self.scheduler.schedule()
         if self.speculator is not None:
             self.speculator.propose(batch)
@@ -263,6 +271,8 @@ class Engine:
         if self.speculator is not None:
             self.speculator.record(batch)
         self.scheduler.update(batch)
+        if watched:
+            self.step_log.record(batch, started, self.scheduler)
         return outputs
 
     def _forward(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:

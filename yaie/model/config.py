@@ -40,7 +40,6 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
-    bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -85,6 +84,5 @@ class ModelConfig:
             o_bias=o_bias,
             qk_norm=qk_norm,
             sliding_window=sliding_window,
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -3,19 +3,23 @@
 PyTorch's own ops cover everything yaie does; these kernels only do some of it faster. So a
 machine that cannot build them (no compiler, or YAIE_NATIVE_KERNELS=0) runs the PyTorch path,
 with one warning saying why. The build takes 10-20 s once; torch caches it under
-~/.cache/torch_extensions and rebuilds when the source changes.
+~/.cache/torch_extensions and rebuilds when the source changes. The build is for this CPU
+(-march=native), so it is cached under a name keyed by the CPU's instruction-set flags: a home
+folder shared by machines with different CPUs then holds one build per CPU, never one that
+another CPU cannot run.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import subprocess
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,27 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and load()
 
 
+def cpu_key(cpuinfo: str, machine: str) -> str:
+    """A short hash of the CPU's architecture and instruction-set flags (from /proc/cpuinfo's
+    `flags` line on x86, `Features` on Arm; without either, of the architecture alone)."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags = set(value.split())
+            break  # every core lists the same flags
+    return hashlib.sha256(" ".join([machine, *sorted(flags)]).encode()).hexdigest()[:16]
+
+
+def extension_name() -> str:
+    """The name torch caches this machine's build under."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the architecture alone keys the build
+        cpuinfo = ""
+    return f"yaie_kernels_{cpu_key(cpuinfo, platform.machine())}"
+
+
 @functools.cache
 def load() -> bool:
     """Build (or find in the cache) and load the kernels into torch.ops.yaie; False if we can't."""
@@ -45,17 +70,17 @@ def load() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    console = Console(stderr=True)
+    name = extension_name()
+    logger.info("loading yaie's CPU kernels (%s); the first time on a CPU compiles them (~20 s)", name)
     try:
-        with console.status("compiling yaie's CPU kernels (once per machine, ~20 s)"):
-            cpp_extension.load(
-                name="yaie_kernels",
-                sources=[str(path) for path in _SOURCES],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS,
-                is_python_module=False,
-                verbose=False,
-            )
+        cpp_extension.load(
+            name=name,
+            sources=[str(path) for path in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as exc:
         logger.warning("native CPU kernels unavailable, using the PyTorch path (slower): %s", exc)
         return False

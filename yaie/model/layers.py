@@ -56,6 +56,9 @@ class RotaryEmbedding(nn.Module):
     x * cos + swap_halves(x) * sin: three ops for all heads of q and k together.
     """
 
+    cos: torch.Tensor  # [max_positions, head_dim]
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor) -> None:
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)

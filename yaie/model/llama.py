@@ -4,11 +4,11 @@ Llama, Mistral, Qwen2 and Qwen3 differ only in two switches (qkv bias, per-head 
 one model covers them. Tokens arrive packed: a step's prompts, prompt chunks and decode tokens
 are one flat [tokens] batch, so linear layers never see padding. Only attention needs to know
 where one sequence ends and the next begins; `AttentionMetadata` tells it.
+
+The model knows only its own parameter names; yaie/model/loader.py maps checkpoints onto them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -18,18 +18,6 @@ from yaie.model import kernels
 from yaie.model.attention import AttentionMetadata, paged_attention
 from yaie.model.config import ModelConfig
 from yaie.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
-
-# HF per-layer names that land in our fused projections: (our parameter, shard).
-_HF_FUSED_NAMES = {
-    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", "q"),
-    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", "k"),
-    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", "v"),
-    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", "q"),
-    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", "k"),
-    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", "v"),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", "up"),
-}
 
 
 class Attention(nn.Module):
@@ -50,7 +38,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
-        if self.q_norm is None:  # rotate the q and k heads in one go
+        if self.q_norm is None or self.k_norm is None:  # no q/k norms: rotate q and k heads in one go
             qk = apply_rope(qkv[:, : q_heads + kv_heads], rope)
             q, k = qk[:, :q_heads], qk[:, q_heads:]
         else:
@@ -93,7 +81,7 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # With tied embeddings the output projection reuses the embedding table (copied in pack()).
+        # With tied embeddings the loader fills this with a copy of the embedding table.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(
@@ -117,64 +105,3 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (partly fused) parameters; complain about leftovers."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            target = self._param_for(hf_name)
-            if target is None:
-                continue  # tensors we never use (rotary inv_freq buffers, tied lm_head copies)
-            name, rows = target
-            param = params.get(name)
-            if param is None:
-                raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model ({name})")
-            dest = param.data if rows is None else param.data[self._rows(name, rows)]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(f"{name}:{rows}")
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight.copy_(self.embed_tokens)
-            loaded.add("lm_head.weight:None")
-        expected = {f"{n}:{r}" for n in params for r in self._shards_of(n)}
-        # A bias left out of a checkpoint is a zero bias, which is what Linear starts with.
-        missing = {key for key in expected - loaded if ".bias:" not in key}
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-
-    def _param_for(self, hf_name: str) -> tuple[str, str | None] | None:
-        if hf_name == "model.embed_tokens.weight":
-            return "embed_tokens", None
-        if hf_name == "model.norm.weight":
-            return "norm.weight", None
-        if hf_name == "lm_head.weight":
-            return None if self.config.tie_word_embeddings else ("lm_head.weight", None)
-        if not hf_name.startswith("model.layers."):
-            return None
-        index, rest = hf_name[len("model.layers.") :].split(".", 1)
-        if rest in _HF_FUSED_NAMES:
-            suffix, shard = _HF_FUSED_NAMES[rest]
-            return f"layers.{index}.{suffix}", shard
-        if rest.endswith("rotary_emb.inv_freq"):
-            return None
-        # input_layernorm, post_attention_layernorm, self_attn.{q,k}_norm keep their HF names.
-        return f"layers.{index}.{rest}", None
-
-    def _rows(self, name: str, shard: str) -> slice:
-        cfg = self.config
-        if shard in ("gate", "up"):
-            n = cfg.intermediate_size
-            return slice(0, n) if shard == "gate" else slice(n, 2 * n)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
-
-    @staticmethod
-    def _shards_of(name: str) -> tuple[str | None, ...]:
-        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-            return ("q", "k", "v")
-        if name.endswith("gate_up_proj.weight"):
-            return ("gate", "up")
-        return (None,)

@@ -6,6 +6,11 @@ API key, 404 for an unknown model, 429 when too many requests wait, 500 when the
 a request, 503 while shutting down. Inside an event stream, which has already answered 200, a
 failure is sent as one last `data: {"error": ...}` event.
 
+Each completion endpoint builds one stream of OpenAI chunk objects over a `_Generation`, the one
+place that follows the engine requests behind a call: metrics, abort on disconnect, finish
+reasons and usage. A streamed response sends those chunks as server-sent events; any other joins
+them into the whole response (protocol's join_*_chunks), so the two always say the same.
+
 A request is aborted in the engine (freeing its KV cache) as soon as its client disconnects,
 whether it streams or not.
 """
@@ -14,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import yaie
 from yaie.engine.async_engine import (
@@ -38,12 +45,14 @@ from yaie.engine.async_engine import (
 )
 from yaie.errors import InvalidRequestError, YaieError
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from yaie.sampling_params import SamplingParams
 from yaie.server import protocol as p
 from yaie.server.metrics import RequestTracker, ServerMetrics
+from yaie.server.web import PAGE_PATHS, web_router
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})  # open even with an API key
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"}) | PAGE_PATHS  # open even with an API key
 RETRY_AFTER_SECONDS = 1
 
 
@@ -55,7 +64,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -92,20 +101,71 @@ class RequireAPIKey:
     """ASGI middleware: without `Authorization: Bearer <key>`, only PUBLIC_PATHS answer.
 
     Checked before anything reads the body, so a client without the key learns nothing else.
+    The scheme's name is case-insensitive (RFC 9110); the key is compared in constant time.
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or incorrect API key", code="invalid_api_key")
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
+                error = APIError(
+                    401,
+                    "missing or incorrect API key",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class LimitRequestBytes:
+    """ASGI middleware: a 413 for a body over `max_bytes`, before any of it is parsed.
+
+    The body is read here, counting, so a body without a Content-Length (chunked) or with a
+    false one is cut off as soon as it passes the limit; the app then reads the kept copy.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # nobody is left to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large().response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return body.pop() if body else await receive()  # then the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"the request body is larger than {self.max_bytes} bytes", code="request_too_large"
+        )
 
 
 def _json(model: BaseModel) -> Response:
@@ -119,13 +179,42 @@ def _event(model: BaseModel) -> str:
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+class ClientDisconnected(APIError):
+    """The client went away before its response was complete (its requests are aborted)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client disconnected")  # nobody is left to read this
+
+
+async def _events(chunks: AsyncGenerator[BaseModel, None]) -> AsyncIterator[str]:
+    """`chunks` as server-sent events, then [DONE]. The stream has already answered 200, so a
+    failure is sent as one last error event."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield _event(chunk)
+        except ClientDisconnected:
+            return  # nobody is left to read the rest
+        except Exception as exc:
+            yield _error_event(exc)
+    yield DONE_EVENT
+
+
+def _event_stream(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
     # X-Accel-Buffering: proxies such as nginx would otherwise hold tokens back.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_events(chunks), media_type="text/event-stream", headers=headers)
 
 
-async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+ChunkT = TypeVar("ChunkT", bound=BaseModel)
+
+
+async def _collect(chunks: AsyncGenerator[ChunkT, None]) -> list[ChunkT]:
+    async with contextlib.aclosing(chunks):
+        return [chunk async for chunk in chunks]
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """The outputs of several streams as they come, each with its stream's position."""
     pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
     try:
@@ -165,15 +254,122 @@ async def _abort_on_exit(request: Request, streams: Sequence[RequestStream]) -> 
             stream.close()
 
 
+@dataclass
+class _Update:
+    """What one engine output brings to one choice of the response."""
+
+    index: int  # the choice's place in the response: prompt * n + the choice's index
+    prompt: int  # which of the call's prompts the choice answers
+    choice: CompletionOutput
+    output: RequestOutput  # the prompt's newest output, which `choice` belongs to
+    first: bool  # in the prompt's first output
+    finish_reason: str | None  # set on the one update that finishes the choice
+
+
+class _Generation:
+    """The engine requests behind one API call, one per prompt, followed together: the one place
+    that feeds the metrics, aborts on disconnect, sees each choice finish, and counts usage."""
+
+    def __init__(
+        self,
+        request: Request,
+        streams: list[RequestStream],
+        trackers: list[RequestTracker],
+        n: int,
+        metrics: ServerMetrics,
+    ) -> None:
+        self._request = request
+        self._metrics = metrics
+        self._streams = streams
+        self._trackers = trackers
+        self._n = n
+        self._finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def updates(self) -> AsyncGenerator[_Update, None]:
+        """Every choice of every output, as they come. Raises ClientDisconnected at the end if
+        the client left (which aborted the requests)."""
+        finished: set[int] = set()  # choices whose finish has been told
+        streams = self._streams
+        async with _abort_on_exit(self._request, streams), contextlib.aclosing(_merge(streams)) as outputs:
+            async for i, output in outputs:
+                self._trackers[i].observe(output)
+                first, self._finals[i] = self._finals[i] is None, output
+                for choice in output.outputs:
+                    index = i * self._n + choice.index
+                    finish_reason = None
+                    if choice.finish_reason is not None and index not in finished:
+                        finished.add(index)
+                        finish_reason = choice.finish_reason
+                    yield _Update(index, i, choice, output, first, finish_reason)
+        if any(stream.aborted for stream in streams):
+            self._metrics.requests_aborted_slow_client.inc(sum(stream.overflowed for stream in streams))
+            raise ClientDisconnected()
+
+    def usage(self) -> p.Usage:
+        """The tokens of every output so far: all of them once `updates()` has ended."""
+        finals = [final for final in self._finals if final is not None]
+        return p.Usage.of(
+            prompt_tokens=sum(len(final.prompt_token_ids) for final in finals),
+            completion_tokens=sum(len(choice.token_ids) for final in finals for choice in final.outputs),
+            cached_tokens=sum(final.num_cached_tokens for final in finals),
+        )
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of the server, each checked before any work is done for it."""
+
+    max_waiting: int | None = None  # 429 while this many sequences already wait for admission
+    max_request_bytes: int = 8 * 2**20  # 413 for a bigger body
+    max_seqs_per_request: int = 256  # prompts x n; 400 beyond
+    # When a request leaves max_tokens out. vLLM's default is the rest of the context, which lets
+    # one careless request hold a sequence (and its KV cache) for thousands of steps; ours is a
+    # bound of its own, cut to the room the prompt leaves.
+    default_max_tokens: int = 2048
+
+
+# A prompt longer than this many characters per token of context cannot fit, whatever it says
+# (tokens average about 4 characters), so it is refused before anyone pays to tokenize it.
+MAX_CHARS_PER_TOKEN = 16
+
+
 class OpenAIServer:
     """The endpoints' logic; `build_app` routes to it."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str, max_waiting: int | None) -> None:
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str, limits: ServerLimits) -> None:
         self.engine = async_engine
         self.model_name = served_model_name
-        self.max_waiting = max_waiting
+        self.limits = limits
         self.tokenizer = async_engine.tokenizer
         self.metrics = ServerMetrics(async_engine.stats)
+        self.max_prompt_chars = async_engine.max_model_len * MAX_CHARS_PER_TOKEN
+
+    def _check_chars(self, texts: Sequence[str], param: str) -> None:
+        if sum(len(text) for text in texts) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{param}: longer than the {self.max_prompt_chars} characters that could fit this "
+                f"model's context of {self.engine.max_model_len} tokens",
+                param,
+            )
+
+    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+        limit = self.limits.max_seqs_per_request
+        if self.limits.max_waiting is not None:
+            limit = min(limit, self.limits.max_waiting)  # more could never be admitted
+        if num_prompts * n > limit:
+            raise InvalidRequestError(
+                f"n: {num_prompts} prompt(s) x n={n} is more than the {limit} sequences one request may run",
+                "n",
+            )
+
+    def _with_default_max_tokens(
+        self, params: SamplingParams, prompts: Sequence[list[int]]
+    ) -> SamplingParams:
+        if params.max_tokens is not None:
+            return params
+        room = self.engine.max_model_len - max(len(prompt) for prompt in prompts)
+        # A prompt that leaves no room is the engine's error to report, so give it something.
+        return dataclasses.replace(params, max_tokens=max(1, min(self.limits.default_max_tokens, room)))
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -182,207 +378,135 @@ class OpenAIServer:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
 
+    async def _start(
+        self,
+        request: Request,
+        body: p.SamplingRequest,
+        params: SamplingParams,
+        requests: Sequence[tuple[str, list[int]]],
+    ) -> _Generation:
+        """Add one engine request per (id, prompt token ids): all of them, or none."""
+        trackers = [RequestTracker(self.metrics) for _ in requests]  # their clocks start on arrival
+        params = self._with_default_max_tokens(params, [prompt for _, prompt in requests])
+        try:
+            streams = await self.engine.add_requests(requests, params, self.limits.max_waiting)
+        except InvalidRequestError as exc:
+            raise body.translate_error(exc) from exc
+        return _Generation(request, streams, trackers, params.n, self.metrics)
+
     # -- chat completions ---------------------------------------------------------------------
 
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        params = body.to_sampling_params(self.engine.vocab_size)
+        params = body.to_sampling_params()
+        self._check_num_seqs(1, params.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        tracker = RequestTracker(self.metrics)
         messages = body.template_messages()
-        try:
-            stream = await self.engine.add_chat_request(request_id, messages, params, self.max_waiting)
-        except InvalidRequestError as exc:
-            raise body.translate_error(exc) from exc
+        self._check_chars([message["content"] for message in messages], "messages")
+        prompt = await self.engine.encode_chat(messages)
+        generation = await self._start(request, body, params, [(request_id, prompt)])
+        chunks = self._chat_chunks(request_id, body, params.n, generation)
         if body.stream:
-            return _event_stream(self._chat_events(request, body, params.n, stream, tracker))
-        async with _abort_on_exit(request, [stream]):
-            final = None
-            async for output in stream:
-                tracker.observe(output)
-                final = output
-        if final is None or not final.finished:
-            raise APIError(499, "the client disconnected")  # nobody is left to read this
-        choices = [
-            p.ChatChoice(
-                index=choice.index,
-                message=p.AssistantMessage(content=choice.text),
-                logprobs=p.chat_logprobs(choice.logprobs or [], self._decode_token)
-                if body.logprobs
-                else None,
-                finish_reason=choice.finish_reason,
-            )
-            for choice in final.outputs
-        ]
-        response = p.ChatCompletionResponse(
-            id=request_id, model=body.model, choices=choices, usage=_usage([final])
-        )
-        return _json(response)
+            return _event_stream(chunks)
+        return _json(p.join_chat_chunks(await _collect(chunks)))
 
-    async def _chat_events(
-        self,
-        request: Request,
-        body: p.ChatCompletionRequest,
-        n: int,
-        stream: RequestStream,
-        tracker: RequestTracker,
-    ) -> AsyncIterator[str]:
+    async def _chat_chunks(
+        self, request_id: str, body: p.ChatCompletionRequest, n: int, generation: _Generation
+    ) -> AsyncGenerator[p.ChatCompletionChunk, None]:
         created = p.now()
 
-        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
-            return _event(
-                p.ChatCompletionChunk(
-                    id=stream.request_id, created=created, model=body.model, choices=choices, usage=usage
-                )
+        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
+            return p.ChatCompletionChunk(
+                id=request_id, created=created, model=body.model, choices=choices, usage=usage
             )
 
-        def choice_chunk(index: int, delta: dict[str, str], **fields: Any) -> str:
-            return chunk([p.ChatChunkChoice(index=index, delta=delta, **fields)])
-
-        async with _abort_on_exit(request, [stream]):
-            try:
-                yield chunk(
-                    [p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)]
-                )
-                final = None
-                finished: set[int] = set()  # choices whose last chunk went out
-                async for output in stream:
-                    tracker.observe(output)
-                    final = output
-                    for choice in output.outputs:
-                        if choice.delta_text or (body.logprobs and choice.delta_token_ids):
-                            logprobs = None
-                            if body.logprobs:
-                                logprobs = p.chat_logprobs(_new_logprobs(choice), self._decode_token)
-                            yield choice_chunk(
-                                choice.index, {"content": choice.delta_text}, logprobs=logprobs
-                            )
-                        if choice.finish_reason is not None and choice.index not in finished:
-                            finished.add(choice.index)
-                            yield choice_chunk(choice.index, {}, finish_reason=choice.finish_reason)
-                if stream.aborted:
-                    return
-                if final is not None and body.include_usage:
-                    yield chunk([], usage=_usage([final]))
-            except Exception as exc:
-                yield _error_event(exc)
-            yield DONE_EVENT
+        roles = [p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)]
+        yield chunk(roles)
+        async with contextlib.aclosing(generation.updates()) as updates:
+            async for update in updates:
+                choice = update.choice
+                if choice.delta_text or (body.logprobs and choice.delta_token_ids):
+                    logprobs = None
+                    if body.logprobs:
+                        logprobs = p.chat_logprobs(_new_logprobs(choice), self._decode_token)
+                    delta = {"content": choice.delta_text}
+                    yield chunk([p.ChatChunkChoice(index=update.index, delta=delta, logprobs=logprobs)])
+                if (reason := update.finish_reason) is not None:
+                    yield chunk([p.ChatChunkChoice(index=update.index, delta={}, finish_reason=reason)])
+        if body.include_usage or not body.stream:  # a whole response always has its usage
+            yield chunk([], usage=generation.usage())
 
     # -- text completions ---------------------------------------------------------------------
 
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        params = body.to_sampling_params(self.engine.vocab_size)
+        params = body.to_sampling_params()
         prompts = body.prompts()
+        self._check_num_seqs(len(prompts), params.n)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self._check_chars([prompt], "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        trackers = [RequestTracker(self.metrics) for _ in prompts]
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(engine_id, prompt, params, self.max_waiting))
-        except BaseException:
-            for stream in streams:  # all prompts run, or none
-                stream.close()
-            raise
-        echoes = [""] * len(prompts)
-        if body.echo:
-            echoes = [
-                prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt) for prompt in prompts
-            ]
-        if body.stream:
-            return _event_stream(
-                self._completion_events(request, request_id, body, params.n, streams, trackers, echoes)
-            )
-
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async with _abort_on_exit(request, streams):
-            async for i, output in _merge(streams):
-                trackers[i].observe(output)
-                finals[i] = output
-        done = [final for final in finals if final is not None and final.finished]
-        if len(done) < len(streams):
-            raise APIError(499, "the client disconnected")  # nobody is left to read this
-        choices = []
-        for i, final in enumerate(done):
-            for choice in final.outputs:
-                logprobs = None
-                if body.logprobs is not None:
-                    tokens = _prompt_logprobs(final) if body.echo else []
-                    tokens += [(lp.token_id, lp) for lp in choice.logprobs or []]
-                    logprobs = p.completion_logprobs(tokens, self._decode_token, 0)
-                choices.append(
-                    p.CompletionChoice(
-                        index=i * params.n + choice.index,
-                        text=echoes[i] + choice.text,
-                        logprobs=logprobs,
-                        finish_reason=choice.finish_reason,
-                    )
-                )
-        return _json(
-            p.CompletionResponse(id=request_id, model=body.model, choices=choices, usage=_usage(done))
+        token_ids = await asyncio.gather(
+            *(self.engine.encode(prompt) for prompt in prompts if isinstance(prompt, str))
         )
+        encoded = iter(token_ids)
+        requests = [
+            (
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                next(encoded) if isinstance(prompt, str) else prompt,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        generation = await self._start(request, body, params, requests)
+        chunks = self._completion_chunks(request_id, body, prompts, generation)
+        if body.stream:
+            return _event_stream(chunks)
+        return _json(p.join_completion_chunks(await _collect(chunks)))
 
-    async def _completion_events(
+    async def _completion_chunks(
         self,
-        request: Request,
         request_id: str,
         body: p.CompletionRequest,
-        n: int,
-        streams: list[RequestStream],
-        trackers: list[RequestTracker],
-        echoes: list[str],
-    ) -> AsyncIterator[str]:
+        prompts: Sequence[str | list[int]],
+        generation: _Generation,
+    ) -> AsyncGenerator[p.CompletionResponse, None]:
         created = p.now()
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        finished: set[int] = set()  # choices whose last chunk went out
         text_offsets: dict[int, int] = {}  # per choice: where its next chunk's text starts
 
-        def chunk(choices: list[p.CompletionChoice], usage: p.Usage | None = None) -> str:
-            response = p.CompletionResponse(
+        def chunk(choices: list[p.CompletionChoice], usage: p.Usage | None = None) -> p.CompletionResponse:
+            return p.CompletionResponse(
                 id=request_id, created=created, model=body.model, choices=choices, usage=usage
             )
-            return _event(response)
 
-        async with _abort_on_exit(request, streams):
-            try:
-                async for i, output in _merge(streams):
-                    trackers[i].observe(output)
-                    first, finals[i] = finals[i] is None, output
-                    for choice in output.outputs:
-                        index = i * n + choice.index
-                        text, tokens = choice.delta_text, []
-                        if first:  # the echo goes first
-                            text = echoes[i] + text
-                            if body.echo and body.logprobs is not None:
-                                tokens = _prompt_logprobs(output)
-                        tokens += [(lp.token_id, lp) for lp in _new_logprobs(choice)]
-                        if text or tokens:
-                            logprobs = None
-                            if body.logprobs is not None:
-                                offset = text_offsets.get(index, 0)
-                                logprobs = p.completion_logprobs(tokens, self._decode_token, offset)
-                                text_offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
-                            yield chunk([p.CompletionChoice(index=index, text=text, logprobs=logprobs)])
-                        if choice.finish_reason is not None and index not in finished:
-                            finished.add(index)
-                            yield chunk(
-                                [p.CompletionChoice(index=index, text="", finish_reason=choice.finish_reason)]
-                            )
-                if any(stream.aborted for stream in streams):
-                    return
-                if body.include_usage:
-                    yield chunk([], usage=_usage([final for final in finals if final is not None]))
-            except Exception as exc:
-                yield _error_event(exc)
-            yield DONE_EVENT
+        async with contextlib.aclosing(generation.updates()) as updates:
+            async for update in updates:
+                choice = update.choice
+                text, tokens = choice.delta_text, []
+                if update.first and body.echo:  # the echo goes first
+                    prompt = prompts[update.prompt]
+                    text = (prompt if isinstance(prompt, str) else await self.engine.decode(prompt)) + text
+                    if body.logprobs is not None:
+                        tokens = _prompt_logprobs(update.output)
+                tokens += [(lp.token_id, lp) for lp in _new_logprobs(choice)]
+                if text or tokens:
+                    logprobs = None
+                    if body.logprobs is not None:
+                        offset = text_offsets.get(update.index, 0)
+                        logprobs = p.completion_logprobs(tokens, self._decode_token, offset)
+                        text_offsets[update.index] = offset + sum(len(token) for token in logprobs.tokens)
+                    yield chunk([p.CompletionChoice(index=update.index, text=text, logprobs=logprobs)])
+                if (reason := update.finish_reason) is not None:
+                    yield chunk([p.CompletionChoice(index=update.index, text="", finish_reason=reason)])
+        if body.include_usage or not body.stream:  # a whole response always has its usage
+            yield chunk([], usage=generation.usage())
 
     # -- everything else ----------------------------------------------------------------------
 
     async def models(self) -> Response:
         card = p.ModelCard(
             id=self.model_name,
-            root=str(self.engine.engine.model_path),
+            root=str(self.engine.model_path),
             max_model_len=self.engine.max_model_len,
         )
         return _json(p.ModelList(data=[card]))
@@ -390,9 +514,12 @@ class OpenAIServer:
     async def tokenize(self, body: p.TokenizeRequest) -> Response:
         self._check_model(body.model)
         if body.prompt is not None and body.messages is None:
+            self._check_chars([body.prompt], "prompt")
             tokens = await self.engine.encode(body.prompt)
         elif body.messages is not None and body.prompt is None:
-            tokens = await self.engine.encode_chat([message.to_template() for message in body.messages])
+            messages = [message.to_template() for message in body.messages]
+            self._check_chars([message["content"] for message in messages], "messages")
+            tokens = await self.engine.encode_chat(messages)
         else:
             raise InvalidRequestError("prompt: give either prompt or messages", "prompt")
         return _json(
@@ -402,9 +529,9 @@ class OpenAIServer:
     async def detokenize(self, body: p.DetokenizeRequest) -> Response:
         self._check_model(body.model)
         vocab_size = self.engine.vocab_size
-        if any(not 0 <= token < vocab_size for token in body.tokens):
+        if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < vocab_size:
             raise InvalidRequestError(f"tokens: must be token ids in [0, {vocab_size})", "tokens")
-        return _json(p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens)))
+        return _json(p.DetokenizeResponse(prompt=await self.engine.decode(body.tokens)))
 
     async def health(self) -> Response:
         if not self.engine.is_running:
@@ -422,13 +549,10 @@ def build_app(
     async_engine: AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
-    max_waiting: int | None = None,
+    limits: ServerLimits = ServerLimits(),
 ) -> FastAPI:
-    """The API for `async_engine`, which the caller starts and shuts down.
-
-    `max_waiting`: answer 429 while this many sequences already wait for admission.
-    """
-    server = OpenAIServer(async_engine, served_model_name, max_waiting)
+    """The API for `async_engine`, which the caller starts and shuts down."""
+    server = OpenAIServer(async_engine, served_model_name, limits)
     app = FastAPI(title="yaie", version=yaie.__version__)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
@@ -438,6 +562,7 @@ def build_app(
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus_metrics, methods=["GET"])
+    app.include_router(web_router(async_engine))
 
     # Errors we raise on purpose are simply answered. Anything else reaches the catch-all, whose
     # answer Starlette sends and then re-raises the error, so the server's log has the traceback.
@@ -446,6 +571,8 @@ def build_app(
     app.add_exception_handler(Exception, _on_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_request)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    # The last added runs first: the key is checked before the body is read.
+    app.add_middleware(LimitRequestBytes, max_bytes=limits.max_request_bytes)
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key)
     return app
@@ -473,14 +600,6 @@ def _is_json(content_type: str | None) -> bool:
     return media_type == "application/json" or media_type.endswith("+json")
 
 
-def _usage(finals: Sequence[RequestOutput]) -> p.Usage:
-    return p.Usage.of(
-        prompt_tokens=sum(len(final.prompt_token_ids) for final in finals),
-        completion_tokens=sum(len(choice.token_ids) for final in finals for choice in final.outputs),
-        cached_tokens=sum(final.num_cached_tokens for final in finals),
-    )
-
-
 def _new_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
     """The logprobs of the tokens this output added to the choice."""
     num_tokens = len(choice.token_ids)
@@ -489,8 +608,8 @@ def _new_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
 
 def _prompt_logprobs(output: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
     """(token id, logprob) for each prompt token, for echo with logprobs."""
-    if output.prompt_logprobs is None:
-        raise InvalidRequestError("echo: echo together with logprobs is not supported yet", "echo")
+    # to_sampling_params asks for prompt logprobs whenever echo comes with logprobs.
+    assert output.prompt_logprobs is not None
     return list(zip(output.prompt_token_ids, output.prompt_logprobs, strict=True))
 
 

@@ -34,10 +34,19 @@ class _EngineStatsCollector(Collector):
             "num_requests_waiting", "Sequences waiting to be admitted.", value=stats.num_waiting
         )
         yield GaugeMetricFamily(
-            "kv_cache_used_bytes", "KV cache memory held by blocks in use.", value=stats.kv_cache_used_bytes
+            "kv_cache_used_bytes",
+            "KV cache memory held by requests.",
+            value=stats.kv_cache_used_bytes,
         )
         yield GaugeMetricFamily(
-            "kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", value=stats.kv_cache_usage
+            "kv_cache_cached_bytes",
+            "KV cache memory held only by the prefix cache, which frees it when requests need room.",
+            value=stats.kv_cache_cached_bytes,
+        )
+        yield GaugeMetricFamily(
+            "kv_cache_usage_ratio",
+            "Fraction of KV cache blocks held by requests (those only the prefix cache holds are free).",
+            value=stats.kv_cache_usage,
         )
         yield CounterMetricFamily(
             "num_preemptions", "Sequences preempted to free KV cache blocks.", value=stats.num_preemptions
@@ -75,6 +84,11 @@ class ServerMetrics:
         )
         self.request_success = Counter(
             "request_success", "Finished completions (one per choice).", ["finish_reason"], registry=registry
+        )
+        self.requests_aborted_slow_client = Counter(
+            "num_requests_aborted_slow_client",
+            "Requests aborted because their client stopped reading their stream.",
+            registry=registry,
         )
         self.prefix_cache_queries = Counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=registry

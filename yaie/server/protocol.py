@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic_core import ErrorDetails
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
@@ -21,6 +21,20 @@ from yaie.sampling_params import SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds, and the engine adds the choice index
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON's \\ud800 escapes give Python strings with lone surrogates, which no tokenizer (and no
+    UTF-8 response that echoes them) can encode: refuse them where they arrive, naming the field."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        message = "invalid Unicode: a lone surrogate at position {position}"
+        raise PydanticCustomError("invalid_unicode", message, {"position": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string a request carries
 
 
 class OpenAIModel(BaseModel):
@@ -32,13 +46,13 @@ class OpenAIModel(BaseModel):
 
 class TextPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     # "developer" is OpenAI's newer name for "system". Tool messages need tool support.
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def to_template(self) -> dict[str, str]:
         """The message as chat templates expect it: a role they know and plain-text content."""
@@ -51,25 +65,25 @@ class StreamOptions(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
-    type: str
+    type: Text
 
 
 class SamplingRequest(OpenAIModel):
     """What chat and text completions share. None means "the default", as if left out."""
 
-    model: str
+    model: Text
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = None  # None: until the context is full
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None  # accepted and ignored
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -97,14 +111,13 @@ class SamplingRequest(OpenAIModel):
 
     def _sampling_params(
         self,
-        vocab_size: int,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
-        given = {
+        given: dict[str, Any] = {  # SamplingParams' defaults stand for the fields left out
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -123,7 +136,7 @@ class SamplingRequest(OpenAIModel):
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                logit_bias=_token_bias(self.logit_bias or {}, vocab_size),
+                logit_bias=_token_bias(self.logit_bias or {}),
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -133,18 +146,16 @@ class SamplingRequest(OpenAIModel):
             raise self.translate_error(exc) from exc
 
 
-def _token_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
-    """OpenAI sends logit_bias keyed by token ids written as strings."""
+def _token_bias(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI sends logit_bias keyed by token ids written as strings. Whether an id is inside the
+    vocabulary is the engine's check, the one place that knows the vocabulary."""
     bias = {}
     for key, value in logit_bias.items():
         try:
             token_id = int(key)
-        except ValueError:
-            token_id = -1
-        if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(
-                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
-            )
+        except ValueError as exc:
+            message = f"logit_bias: keys must be token ids, got {key!r}"
+            raise InvalidRequestError(message, "logit_bias") from exc
         bias[token_id] = value
     return bias
 
@@ -158,11 +169,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[Text, Any]] | None = None
+    tool_choice: Text | dict[Text, Any] | None = None
     response_format: ResponseFormat | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         if self.tools:
             raise _unsupported("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -174,7 +185,6 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
         return self._sampling_params(
-            vocab_size,
             max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
@@ -188,20 +198,20 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         if self.suffix is not None:
             raise _unsupported("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "only best_of equal to n is supported")
         # Echoing the prompt with logprobs needs the prompt's logprobs too.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: OpenAI accepts one prompt or a batch, as text or token ids."""
@@ -211,18 +221,18 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, str):
             return [prompt]
         if isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+            return [prompt]
+        return list(prompt)
 
 
 class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -407,6 +417,78 @@ def completion_logprobs(
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
+
+
+# -- a stream's chunks, joined ----------------------------------------------------------------
+# The server builds every response as a stream of chunks; a response that is not streamed is
+# those chunks joined, so both kinds say exactly the same.
+
+
+def _usage_at_end(chunks: Sequence[ChatCompletionChunk] | Sequence[CompletionResponse]) -> Usage:
+    if not chunks or chunks[-1].usage is None:
+        raise ValueError("a response's chunks must end with one carrying the usage")
+    return chunks[-1].usage
+
+
+def join_chat_chunks(chunks: Sequence[ChatCompletionChunk]) -> ChatCompletionResponse:
+    """The whole chat completion that `chunks` stream: each choice's content and logprobs in
+    order, and its finish reason. The last chunk must carry the usage."""
+    usage = _usage_at_end(chunks)
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[ChatTokenLogprob]] = {}
+    finish_reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts.setdefault(choice.index, []).append(choice.delta.get("content", ""))
+            if choice.logprobs is not None:
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content)
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(content="".join(parts)),
+            logprobs=ChatLogprobs(content=logprobs[index]) if index in logprobs else None,
+            finish_reason=finish_reasons.get(index),
+        )
+        for index, parts in sorted(texts.items())
+    ]
+    first = chunks[0]
+    return ChatCompletionResponse(
+        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
+    )
+
+
+def join_completion_chunks(chunks: Sequence[CompletionResponse]) -> CompletionResponse:
+    """The whole text completion that `chunks` stream: each choice's text and logprobs columns
+    in order, and its finish reason. The last chunk must carry the usage."""
+    usage = _usage_at_end(chunks)
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, CompletionLogprobs] = {}
+    finish_reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts.setdefault(choice.index, []).append(choice.text)
+            if choice.logprobs is not None:
+                empty = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+                joined = logprobs.setdefault(choice.index, empty)
+                for column in CompletionLogprobs.model_fields:
+                    getattr(joined, column).extend(getattr(choice.logprobs, column))
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    choices = [
+        CompletionChoice(
+            index=index,
+            text="".join(parts),
+            logprobs=logprobs.get(index),
+            finish_reason=finish_reasons.get(index),
+        )
+        for index, parts in sorted(texts.items())
+    ]
+    first = chunks[0]
+    return CompletionResponse(
+        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
+    )
 
 
 # -- validation errors ------------------------------------------------------------------------

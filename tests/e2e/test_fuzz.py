@@ -1,0 +1,90 @@
+"""Hypothesis over chat and completion bodies, valid and not, against the shared server: every
+answer is a 2xx or a 4xx with OpenAI's error body, never a 5xx, and the server is alive after."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import MODEL, Server
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.slow
+
+# Text with lone surrogates, control characters and the rest of Unicode.
+texts = st.text(st.characters(codec=None), max_size=40)
+floats = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**30), 10**30))
+ints = st.one_of(st.none(), st.integers(-5, 5), st.integers(-(2**70), 2**70))
+junk = st.one_of(st.none(), st.booleans(), texts, st.lists(st.integers(-2, 50_000), max_size=3))
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]), "content": texts}
+    ),
+    max_size=3,
+)
+sampling = {
+    "temperature": floats,
+    "top_p": floats,
+    "top_k": ints,
+    "min_p": floats,
+    "presence_penalty": floats,
+    "frequency_penalty": floats,
+    "repetition_penalty": floats,
+    "seed": ints,
+    "n": st.integers(-1, 3),
+    "stop": st.one_of(st.none(), texts, st.lists(texts, max_size=3)),
+    "logit_bias": st.one_of(
+        st.none(), st.dictionaries(st.one_of(texts, st.integers(-2, 60_000).map(str)), floats)
+    ),
+    "stream": st.booleans(),
+    "logprobs": junk,
+    "min_tokens": ints,
+    "stop_token_ids": st.one_of(st.none(), st.lists(st.integers(-2, 60_000), max_size=3)),
+    "junk": junk,
+}
+# max_tokens is always given and small, so that the accepted requests stay quick.
+max_tokens = st.one_of(st.integers(-1, 3), st.just(10**9), st.text(max_size=2))
+chat_bodies = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "messages": messages, "max_tokens": max_tokens}, optional=sampling
+)
+completion_bodies = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "prompt": st.one_of(
+            texts, st.lists(texts, max_size=2), st.lists(st.integers(-2, 60_000), max_size=4)
+        ),
+        "max_tokens": max_tokens,
+    },
+    optional={**sampling, "echo": st.booleans(), "logprobs": st.one_of(st.none(), st.integers(-1, 6))},
+)
+requests = st.one_of(
+    st.tuples(st.just("/v1/chat/completions"), chat_bodies),
+    st.tuples(st.just("/v1/completions"), completion_bodies),
+)
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with server.http() as client:
+        yield client
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request=requests)
+def test_no_request_gets_a_5xx(http: httpx.Client, request: tuple[str, dict[str, Any]]) -> None:
+    path, body = request
+    # Python's encoder writes NaN and Infinity as the issue sent them, and lone surrogates as
+    # \\ud800 escapes (httpx's json= would refuse both).
+    content = json.dumps(body).encode()
+    response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"]
+    elif body.get("stream"):
+        assert "data: [DONE]" in response.text
+        assert '"error"' not in response.text, (body, response.text)

@@ -1,0 +1,60 @@
+"""engine_snapshot on the bundled model: what the engine view is told, step by step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_helpers import assert_no_leak
+
+from yaie import LLM, SamplingParams
+from yaie.engine.snapshot import engine_snapshot
+
+pytestmark = pytest.mark.slow
+
+
+def test_snapshot_follows_a_request_from_prefill_to_the_prefix_cache(llm: LLM) -> None:
+    engine = llm.engine
+    # The tree view lists at most TREE_NODES nodes: start from an empty cache, so the nodes other
+    # tests left behind cannot crowd this request's node out of the view.
+    assert engine.scheduler.prefix_cache is not None
+    engine.scheduler.prefix_cache.reset()
+    block_size = engine.config.block_size
+    prompt = list(range(1000, 1000 + 3 * block_size + 5))  # 3 full blocks and a partial one
+    engine.step_log.watch()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    request_id = engine.add_request(None, prompt, params)
+
+    waiting = engine_snapshot(engine)
+    [seq] = [s for s in waiting["sequences"] if s["request_id"] == request_id]
+    assert seq["phase"] == "waiting" and seq["blocks"] == [] and seq["num_tokens"] == len(prompt)
+
+    engine.step()
+    running = engine_snapshot(engine)
+    [seq] = [s for s in running["sequences"] if s["request_id"] == request_id]
+    assert seq["phase"] == "decode" and seq["num_computed_tokens"] == len(prompt)
+    states = running["kv"]["states"]
+    assert len(states) == running["kv"]["num_blocks"]
+    # Its full prompt blocks were handed to the prefix cache when the prompt was done: shared.
+    assert [states[b] for b in seq["blocks"]] == ["s", "s", "s", "u"]
+    assert running["kv"]["num_used"] == sum(state in "us" for state in states)
+    assert running["history"]["recent_steps"][-1]["prefill_tokens"] == len(prompt)
+
+    while engine.has_unfinished_requests():
+        engine.step()
+    done = engine_snapshot(engine)
+    assert not done["sequences"] and done["kv"]["num_used"] == 0
+    [node] = [n for n in done["tree"] if n["blocks"] == seq["blocks"][:3]]
+    assert node["parent"] == -1 and node["num_tokens"] == 3 * block_size and node["hits"] == 0
+    assert {done["kv"]["states"][b] for b in node["blocks"]} == {"c"}
+    assert sum(bin_["num_ttft"] for bin_ in done["history"]["seconds"]) >= 1
+    json.dumps(done)  # JSON-ready as it is
+    assert_no_leak(llm)
+
+
+def test_steps_are_not_recorded_while_nobody_watches(llm: LLM) -> None:
+    engine = llm.engine
+    engine.step_log.watch(lease_s=0)
+    before = sum(bin_.steps for bin_ in engine.step_log.seconds)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert sum(bin_.steps for bin_ in engine.step_log.seconds) == before

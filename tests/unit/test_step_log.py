@@ -1,0 +1,113 @@
+"""The engine view's step log, driven by a real scheduler without a model (as in test_scheduler)."""
+
+from __future__ import annotations
+
+import time
+
+from yaie.cache.block_pool import BlockPool
+from yaie.cache.radix_cache import RadixCache
+from yaie.engine.scheduler import Scheduler
+from yaie.engine.sequence import Sequence
+from yaie.engine.step_log import NUM_RECENT_STEPS, StepLog
+from yaie.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def make_scheduler(num_blocks: int = 64, budget: int = 64) -> Scheduler:
+    pool = BlockPool(num_blocks)
+    return Scheduler(pool, BLOCK, 8, budget, prefix_cache=RadixCache(pool, BLOCK))
+
+
+def add(scheduler: Scheduler, log: StepLog, name: str, prompt_len: int, first_token: int = 0) -> Sequence:
+    seq = Sequence(f"{name}-0", list(range(first_token, first_token + prompt_len)),
+                   SamplingParams(max_tokens=100), request_id=name)  # fmt: skip
+    scheduler.add(seq)
+    log.arrived(name)
+    return seq
+
+
+def step(scheduler: Scheduler, log: StepLog) -> None:
+    """One engine step as Engine.step orders it, with the runner and sampler played by hand."""
+    started = time.perf_counter()
+    batch = scheduler.schedule()
+    for seq in batch.sampling_seqs:
+        seq.append_token(7)
+    scheduler.update(batch)
+    log.record(batch, started, scheduler)
+
+
+def total(log: StepLog, field: str) -> float:
+    return sum(getattr(bin_, field) for bin_ in log.seconds)
+
+
+def test_records_nothing_until_watched_and_stops_when_the_lease_ends() -> None:
+    log = StepLog()
+    assert not log.watched
+    log.arrived("early")  # not watched: forgotten
+    log.watch(lease_s=60)
+    assert log.watched
+    log.watch(lease_s=0)  # a lease that has already run out
+    assert not log.watched
+    assert log.to_json() == {"seconds": [], "recent_steps": [], "events": []}
+
+
+def test_steps_split_into_prefill_and_decode_tokens_and_time_to_first_token() -> None:
+    scheduler, log = make_scheduler(budget=6), StepLog()
+    log.watch()
+    add(scheduler, log, "a", prompt_len=10)
+    step(scheduler, log)  # a prompt chunk of 6
+    step(scheduler, log)  # the last 4 prompt tokens, sampling the first token
+    step(scheduler, log)  # decode: one token
+    steps = list(log.recent_steps)
+    assert [(s.prefill_tokens, s.decode_tokens) for s in steps] == [(6, 0), (4, 0), (0, 1)]
+    assert all(s.num_running == 1 and s.num_waiting == 0 and s.duration_s >= 0 for s in steps)
+    assert total(log, "steps") == 3
+    assert total(log, "prefill_tokens") == 10
+    assert total(log, "sampled_tokens") == 2
+    assert total(log, "num_ttft") == 1  # only the first token counts
+    assert total(log, "ttft_sum_s") > 0
+    assert total(log, "busy_s") >= max(s.duration_s for s in steps)
+
+
+def test_preemptions_and_evictions_become_events() -> None:
+    # 4 blocks: two sequences of 2 blocks fill the pool, so the first one's growth preempts the other.
+    scheduler, log = make_scheduler(num_blocks=5, budget=64), StepLog()
+    log.watch()
+    add(scheduler, log, "a", prompt_len=8)
+    add(scheduler, log, "b", prompt_len=8, first_token=100)
+    step(scheduler, log)
+    while not total(log, "preemptions"):
+        step(scheduler, log)
+    [event] = [e for e in log.events if e["kind"] == "preemption"]
+    assert event["request_id"] == "b" and event["index"] == 0
+    # "b" was cached when preempted; growing "a" further evicts its cached blocks.
+    while not total(log, "evicted_blocks"):
+        step(scheduler, log)
+    evictions = [e for e in log.events if e["kind"] == "eviction"]
+    assert sum(e["num_blocks"] for e in evictions) == total(log, "evicted_blocks") > 0
+
+
+def test_evictions_while_nobody_watched_are_not_reported() -> None:
+    scheduler, log = make_scheduler(), StepLog()
+    cache = scheduler.prefix_cache
+    assert cache is not None
+    log.watch()
+    step(scheduler, log)  # the baseline of the eviction counter
+    cache.num_evicted_blocks += 3  # as if evictions happened while the lease had run out...
+    log.watch(lease_s=0)
+    log.watch()  # ...and a page came back
+    step(scheduler, log)
+    assert not log.events and total(log, "evicted_blocks") == 0
+
+
+def test_recent_steps_are_bounded() -> None:
+    scheduler, log = make_scheduler(), StepLog()
+    log.watch()
+    add(scheduler, log, "a", prompt_len=4)
+    for _ in range(NUM_RECENT_STEPS + 5):
+        step(scheduler, log)
+    assert len(log.recent_steps) == NUM_RECENT_STEPS
+    json_ready = log.to_json()
+    assert len(json_ready["recent_steps"]) == NUM_RECENT_STEPS
+    assert sum(bin_["steps"] for bin_ in json_ready["seconds"]) == NUM_RECENT_STEPS + 5

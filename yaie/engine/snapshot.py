@@ -1,0 +1,136 @@
+"""The engine's state as the engine view draws it: one JSON-ready dict, read between two steps.
+
+`engine_snapshot(engine)` only reads; call it on the thread that runs the engine
+(`AsyncEngine.snapshot` does). The schema (version 1):
+
+    version      1
+    time         Unix time of the snapshot
+    cost_ms      what taking this snapshot cost the engine thread
+    model        {name, architecture, max_model_len}
+    config       {block_size, max_num_seqs, max_num_batched_tokens, prefix_caching}
+    sequences    one per sequence the scheduler holds, running ones first (in admission order),
+                 then the waiting ones (in queue order):
+                 {request_id, index (which of the request's n choices), phase, num_computed_tokens,
+                  num_tokens (prompt + generated), num_prompt_tokens, num_cached_tokens,
+                  num_preemptions, blocks (its block table)}
+                 phase: "prefill" (running, more than the last token left to compute: a prompt
+                 chunk, or recomputation after a preemption), "decode" (running, one token a
+                 step), "waiting" (not admitted yet), "preempted" (waiting again after a
+                 preemption). Choices of an n > 1 request that wait for the first choice's
+                 prompt are not listed until they are queued.
+    kv           {num_blocks, num_free, num_used (held by sequences), num_cached (held only by the
+                  prefix cache), states}
+                 states: one character per block id: "f" free, "u" held by sequences, "s" held
+                 by sequences and by the prefix cache, "c" held only by the prefix cache. Which
+                 sequences hold a block: those whose `blocks` list it.
+    tree         the prefix cache's first TREE_DEPTH levels, breadth first, at most TREE_NODES
+                 nodes, or null without prefix caching:
+                 {parent (index in this list, -1 under the root), depth, start (tokens before
+                  the edge), num_tokens, blocks, hits (prefix matches that reused it),
+                  num_children, text (the edge's first LABEL_TOKENS tokens, decoded)}
+    counters     {preemptions, evicted_blocks, computed_prompt_tokens}: totals since start
+    history      what the engine did while watched (yaie/engine/step_log.py):
+                 {seconds: [per-second bins], recent_steps: [...], events: [...]}
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from yaie.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from yaie.engine.engine import Engine
+
+SCHEMA_VERSION = 1
+TREE_DEPTH = 4
+TREE_NODES = 64
+LABEL_TOKENS = 12
+
+
+def engine_snapshot(engine: Engine) -> dict[str, Any]:
+    started = time.perf_counter()
+    scheduler, config = engine.scheduler, engine.config
+    cache = scheduler.prefix_cache
+    sequences = [_sequence(seq, running=True) for seq in scheduler.running]
+    sequences += [_sequence(seq, running=False) for seq in scheduler.waiting]
+    snapshot = {
+        "version": SCHEMA_VERSION,
+        "time": time.time(),
+        "model": {
+            "name": engine.model_info.path.name,
+            "architecture": engine.model_info.architecture,
+            "max_model_len": engine.max_model_len,
+        },
+        "config": {
+            "block_size": config.block_size,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "prefix_caching": cache is not None,
+        },
+        "sequences": sequences,
+        "kv": _kv(engine),
+        "tree": None if cache is None else _tree(engine),
+        "counters": {
+            "preemptions": scheduler.num_preemptions,
+            "evicted_blocks": 0 if cache is None else cache.num_evicted_blocks,
+            "computed_prompt_tokens": scheduler.num_computed_prompt_tokens,
+        },
+        "history": engine.step_log.to_json(),
+    }
+    snapshot["cost_ms"] = (time.perf_counter() - started) * 1000
+    return snapshot
+
+
+def _sequence(seq: Sequence, running: bool) -> dict[str, Any]:
+    if running:
+        phase = "prefill" if seq.num_tokens - seq.num_computed_tokens > 1 else "decode"
+    else:
+        phase = "preempted" if seq.num_preemptions else "waiting"
+    return {
+        "request_id": seq.request_id,
+        "index": seq.index,
+        "phase": phase,
+        "num_computed_tokens": seq.num_computed_tokens,
+        "num_tokens": seq.num_tokens,
+        "num_prompt_tokens": seq.num_prompt_tokens,
+        "num_cached_tokens": seq.num_cached_tokens,
+        "num_preemptions": seq.num_preemptions,
+        "blocks": list(seq.block_table),
+    }
+
+
+def _kv(engine: Engine) -> dict[str, Any]:
+    stats = engine.stats()
+    ref_counts, cache_held = engine.block_pool.holders()
+    # A block the cache holds has one reference more than its sequences: count 1 is cache-only.
+    states = "".join(
+        ("c" if refs == 1 else "s") if cached else ("u" if refs else "f")
+        for refs, cached in zip(ref_counts, cache_held, strict=True)
+    )
+    return {
+        "num_blocks": stats.num_kv_blocks,
+        "num_free": engine.block_pool.num_free,
+        "num_used": stats.num_used_kv_blocks,
+        "num_cached": stats.num_cached_kv_blocks,
+        "states": states,
+    }
+
+
+def _tree(engine: Engine) -> list[dict[str, Any]]:
+    cache = engine.scheduler.prefix_cache
+    assert cache is not None
+    return [
+        {
+            "parent": node.parent,
+            "depth": node.depth,
+            "start": node.start,
+            "num_tokens": len(node.tokens),
+            "blocks": node.blocks,
+            "hits": node.hits,
+            "num_children": node.num_children,
+            "text": engine.tokenizer.decode(list(node.tokens[:LABEL_TOKENS])),
+        }
+        for node in cache.top_levels(TREE_DEPTH, TREE_NODES)
+    ]
