@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from yaie.sampling.sampler import Sampler, SamplingSeq
+from yaie.sampling.sampler import Sampler
 from yaie.sampling_params import SamplingParams
-from yaie.spec.verify import Draft, decide, processed_distribution, verify
+from yaie.spec.verify import Draft, Position, decide, positions, verify
 
 VOCAB = 12
 NUM_SAMPLES = 20_000
@@ -22,22 +22,31 @@ def _logits(seed: int, rows: int) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 1.5
 
 
+def _seq(params: SamplingParams, prompt: list[int], output: list[int]) -> Position:
+    """A sequence as the sampler and the verifier read it."""
+    return Position(params, prompt, None, output)
+
+
 def test_greedy_keeps_the_matching_prefix_then_the_targets_token() -> None:
     logits = _logits(0, 4)
     best = logits.argmax(dim=-1).tolist()
-    params = SamplingParams(temperature=0)
+    seq = _seq(SamplingParams(temperature=0), [1, 2], [])
     wrong = (best[2] + 1) % VOCAB
-    out = verify(logits, Draft([best[0], best[1], wrong]), params, [1, 2], [], [])
+    # Two sequences verified in one batch: their rows follow each other.
+    first, second = verify(
+        Sampler(), torch.cat([logits, logits[:3]]), [seq, seq], [Draft(best[:3]), Draft([best[0], wrong])]
+    )
+    assert first.token_ids == best and first.num_accepted == 3
+    assert second.token_ids == [best[0], best[1]] and second.num_accepted == 1
+    (out,) = verify(Sampler(), logits, [seq], [Draft([best[0], best[1], wrong])])
     assert out.token_ids == [best[0], best[1], best[2]] and out.num_accepted == 2
-    out = verify(logits, Draft(best[:3]), params, [1, 2], [], [])
-    assert out.token_ids == best and out.num_accepted == 3
 
 
 def test_greedy_applies_the_requests_processing() -> None:
     logits = _logits(1, 2)
     banned = int(logits[0].argmax())
-    params = SamplingParams(temperature=0, logit_bias={banned: -100.0})
-    out = verify(logits, Draft([banned]), params, [1], [], [])
+    seq = _seq(SamplingParams(temperature=0, logit_bias={banned: -100.0}), [1], [])
+    (out,) = verify(Sampler(), logits, [seq], [Draft([banned])])
     assert out.num_accepted == 0 and out.token_ids[0] != banned
 
 
@@ -45,8 +54,10 @@ def _sampler_draws(
     logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
 ) -> np.ndarray:
     """NUM_SAMPLES tokens drawn by the sampler from one logits row."""
-    seqs = [SamplingSeq(params, prompt, output)] * NUM_SAMPLES
-    return np.array(Sampler()(logits.expand(NUM_SAMPLES, -1), seqs).token_ids)
+    seqs = [_seq(params, prompt, output)] * NUM_SAMPLES
+    sampler = Sampler()
+    batch = sampler.prepare(seqs, logits.device)
+    return np.array(sampler.sample(logits.expand(NUM_SAMPLES, -1), batch).token_ids)
 
 
 def _assert_same_distribution(a: np.ndarray, b: np.ndarray) -> None:
@@ -88,7 +99,9 @@ def test_rejection_sampling_matches_the_sampler(params: SamplingParams, point_ma
     guess = [int(row.topk(2).indices[1]) for row in logits[:2]]
     # The target's rows depend on the draft only through their histories: process them once
     # per distinct draft (what `verify` does), then decide each trial.
-    rows: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+    sampler = Sampler()
+    seq = _seq(params, prompt, output)
+    rows: dict[tuple[int, ...], torch.Tensor] = {}
     drafts = (
         [guess] * NUM_SAMPLES
         if point_mass
@@ -99,12 +112,12 @@ def test_rejection_sampling_matches_the_sampler(params: SamplingParams, point_ma
         draft = Draft(tokens, None if point_mass else q)
         key = tuple(tokens)
         if key not in rows:
-            histories = [output + tokens[:j] for j in range(3)]
-            rows[key] = processed_distribution(logits, params, prompt, histories, [])
-        out = decide(*rows[key], draft, params, gen)
-        firsts.append(out.token_ids[0])
-        if out.num_accepted >= 1:
-            seconds.append((tokens[0], out.token_ids[1]))
+            batch = sampler.prepare(positions(seq, tokens), logits.device)
+            rows[key] = sampler.distributions(logits, batch).probs
+        token_ids, accepted = decide(rows[key], draft, False, gen)
+        firsts.append(token_ids[0])
+        if accepted >= 1:
+            seconds.append((tokens[0], token_ids[1]))
     _assert_same_distribution(np.array(firsts), _sampler_draws(logits[0:1], params, prompt, output))
     # The second token after the most often kept first draft x.
     x = Counter(first for first, _ in seconds).most_common(1)[0][0]
@@ -116,12 +129,12 @@ def test_rejection_sampling_matches_the_sampler(params: SamplingParams, point_ma
 
 def test_logprobs_are_the_targets() -> None:
     logits = _logits(4, 3)
-    params = SamplingParams(temperature=0, logprobs=2)
+    seq = _seq(SamplingParams(temperature=0, logprobs=2), [1], [])
     best = logits.argmax(dim=-1).tolist()
-    out = verify(logits, Draft(best[:2]), params, [1], [], [])
+    (out,) = verify(Sampler(), logits, [seq], [Draft(best[:2])])
     assert out.logprobs is not None and len(out.logprobs) == 3
     expected = torch.log_softmax(logits, dim=-1)
     for row, entry in enumerate(out.logprobs):
-        assert entry.token_id == best[row]
+        assert entry is not None and entry.token_id == best[row]
         assert entry.logprob == pytest.approx(float(expected[row, best[row]]), abs=1e-5)
         assert [t for t, _ in entry.top] == expected[row].topk(2).indices.tolist()

@@ -219,4 +219,4 @@ def _rows(
         return
     logprobs = sampled.logprobs if sampled.logprobs is not None else [None] * len(sampled.token_ids)
     for seq, token_id, logprob in zip(seqs, sampled.token_ids, logprobs, strict=True):
-        yield seq, [token_id], [logprob]  # type: ignore[list-item]  # the sampler's bridge holds TokenLogprobs
+        yield seq, [token_id], [logprob]

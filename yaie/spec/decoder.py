@@ -12,11 +12,17 @@ Speculation pays only while a forward is bound by reading the weights: a step wi
 decoding sequences than `disable_by_batch_size` drafts nothing, and a sequence whose drafts
 keep being rejected (a moving average of its acceptance rate below `min_acceptance_rate`)
 pauses drafting for PAUSE_STEPS of its steps.
+
+Failures stay with their request, as in the plain step: the forward and `sample` run inside
+the engine's `_forward`, which redoes a failed step sequence by sequence (drafts included), and
+a proposer that fails on a sequence only pauses that sequence's drafting (see `_draft`).
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +33,9 @@ from yaie.outputs import TokenLogprob
 from yaie.sampling.sampler import Sampler
 from yaie.spec.config import SpeculativeConfig
 from yaie.spec.proposers import PROPOSERS, Proposer, TargetInfo
-from yaie.spec.verify import Draft, StepTokens, verify
+from yaie.spec.verify import Draft, StepTokens, Verified, verify
+
+logger = logging.getLogger(__name__)
 
 # Weight of the newest step in a sequence's moving average of its acceptance rate.
 ACCEPTANCE_SMOOTHING = 0.25
@@ -102,7 +110,7 @@ class SpeculativeDecoder:
                 budget -= limit
         if not chosen:
             return
-        drafts = self.proposer.propose([item.seq for item in chosen], limits)
+        drafts = self._draft([item.seq for item in chosen], limits)
         for item, draft in zip(chosen, drafts, strict=True):
             if not draft.token_ids:
                 continue
@@ -110,6 +118,25 @@ class SpeculativeDecoder:
             if num:
                 probs = None if draft.probs is None else draft.probs[:num]
                 self._drafts[item.seq] = Draft(draft.token_ids[:num], probs)
+
+    def _draft(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
+        """The proposer's drafts. Drafts only save time, so a proposer that fails on some
+        sequence costs that sequence its drafts, not its request: the batch is drafted again
+        one sequence at a time, and one that still fails alone decodes without drafts for
+        PAUSE_STEPS steps."""
+        try:
+            return self.proposer.propose(seqs, limits)
+        except Exception:
+            logger.exception("drafting for %d sequences failed; drafting one at a time", len(seqs))
+        drafts = []
+        for seq, limit in zip(seqs, limits, strict=True):
+            try:
+                drafts.extend(self.proposer.propose([seq], [limit]))
+            except Exception:
+                logger.exception("drafting for sequence %s failed alone; it pauses drafting", seq.seq_id)
+                self._states.setdefault(seq, _SeqState()).paused_steps = PAUSE_STEPS
+                drafts.append(Draft([]))
+        return drafts
 
     def _draft_limit(self, seq: Sequence) -> int:
         """Drafts worth making: the last one's position must fit the context, and with the
@@ -138,40 +165,44 @@ class SpeculativeDecoder:
         self, batch: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, device: torch.device
     ) -> StepTokens:
         """The tokens of a step that verifies drafts: the rows of sequences without drafts are
-        sampled together as usual, each drafting sequence's 1 + k rows are verified."""
+        sampled together as usual, the drafting sequences' 1 + k rows each are verified
+        together."""
         seqs = batch.sampling_seqs
-        spans: list[tuple[int, int]] = []  # per sampling sequence: its first row and row count
+        plain_rows: list[int] = []  # the row of each sequence without a draft
+        draft_rows: list[int] = []  # the 1 + k rows of each sequence with one
         row = 0
         for item in batch.scheduled:
             if item.samples:
                 count = 1 + len(item.spec_token_ids)
-                spans.append((row, count))
+                if item.seq in self._drafts:
+                    draft_rows.extend(range(row, row + count))
+                else:
+                    plain_rows.append(row)
                 row += count
-        plain = [i for i, seq in enumerate(seqs) if seq not in self._drafts]
+        plain = [seq for seq in seqs if seq not in self._drafts]
         plain_tokens = StepTokens([], [])
         if plain:
-            index = torch.tensor([spans[i][0] for i in plain], device=logits.device)
-            plain_seqs = [seqs[i] for i in plain]
-            sampled = sampler.sample(logits.index_select(0, index), sampler.prepare(plain_seqs, device))
+            index = torch.tensor(plain_rows, device=logits.device)
+            sampled = sampler.sample(logits.index_select(0, index), sampler.prepare(plain, device))
             plain_tokens = StepTokens.concat([sampled])
+        drafting = [seq for seq in seqs if seq in self._drafts]
+        verified: Iterator[Verified] = iter(())
+        if drafting:  # a part of the batch, when a failed step is redone sequence by sequence, may have none
+            index = torch.tensor(draft_rows, device=logits.device)
+            drafts = [self._drafts[seq] for seq in drafting]
+            verified = iter(verify(sampler, logits.index_select(0, index), drafting, drafts))
         token_ids: list[list[int]] = []
         logprobs: list[list[TokenLogprob | None]] = []
         next_plain = 0
-        for i, seq in enumerate(seqs):
-            draft = self._drafts.get(seq)
-            if draft is None:
+        for seq in seqs:
+            if seq not in self._drafts:
                 token_ids.append(plain_tokens.token_ids[next_plain])
                 logprobs.append(plain_tokens.logprobs[next_plain])
                 next_plain += 1
                 continue
-            first, count = spans[i]
-            verified = verify(
-                logits[first : first + count], draft, seq.sampling_params, seq.prompt_token_ids,
-                seq.output_token_ids, self.eos_token_ids, seq.generator,
-            )  # fmt: skip
-            token_ids.append(verified.token_ids)
-            no_logprobs: list[TokenLogprob | None] = [None] * len(verified.token_ids)
-            logprobs.append(list(verified.logprobs) if verified.logprobs else no_logprobs)
+            result = next(verified)
+            token_ids.append(result.token_ids)
+            logprobs.append(result.logprobs or [None] * len(result.token_ids))
         return StepTokens(token_ids, logprobs)
 
     def record(self, batch: SchedulerOutput) -> None:

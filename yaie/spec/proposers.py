@@ -19,9 +19,11 @@ from yaie.engine.model_runner import ModelRunner
 from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
 from yaie.engine.sequence import Sequence
 from yaie.model.loader import load_model
+from yaie.sampling.draw import draw_full_rows
+from yaie.sampling.sampler import Sampler
 from yaie.sampling_params import SamplingParams
 from yaie.spec.config import SpeculativeConfig
-from yaie.spec.verify import Draft, processed_distribution
+from yaie.spec.verify import Draft, Position
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.pool = pool
         self.block_size = target.block_size
-        self.eos_token_ids = target.eos_token_ids
+        # The draft samples as the target would, with the same EOS ids banned under min_tokens.
+        self.sampler = Sampler(target.eos_token_ids)
         # The draft's view of each target sequence, until the sequence finishes.
         self._shadows: dict[Sequence, Sequence] = {}
 
@@ -142,14 +145,14 @@ class DraftModelProposer(Proposer):
                 [ScheduledSequence(s, s.num_tokens - s.num_computed_tokens) for s in shadows], []
             )
             logits = self.runner.execute(batch).logits
-            for row, i in enumerate(active):
-                seq, shadow = seqs[i], self._shadows[seqs[i]]
-                token, p = self._pick(seq, drafts[i].token_ids, logits[row : row + 1])
+            drafted = [drafts[i].token_ids for i in active]
+            tokens, q = self._pick([seqs[i] for i in active], drafted, logits)
+            for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
+                shadow = self._shadows[seqs[i]]
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.append_token(token)
                 drafts[i].token_ids.append(token)
-                if p is not None:
-                    probs[i].append(p)
+                probs[i].append(q[row : row + 1])
             active = [i for i in active if len(drafts[i].token_ids) < max_tokens[i]]
         for draft, rows in zip(drafts, probs, strict=True):
             if rows:
@@ -157,17 +160,23 @@ class DraftModelProposer(Proposer):
         return drafts
 
     def _pick(
-        self, seq: Sequence, drafted: list[int], logits: torch.Tensor
-    ) -> tuple[int, torch.Tensor | None]:
-        """The draft's next token for `seq` and the distribution it came from (None if greedy)."""
-        params = seq.sampling_params
-        history = [seq.output_token_ids + drafted]
-        scaled, probs = processed_distribution(
-            logits, params, seq.prompt_token_ids, history, self.eos_token_ids
-        )
-        if probs is None:
-            return int(scaled.argmax(dim=-1)[0]), None
-        return int(torch.multinomial(probs, 1, generator=seq.generator)[0, 0]), probs
+        self, seqs: list[Sequence], drafted: list[list[int]], logits: torch.Tensor
+    ) -> tuple[list[int], torch.Tensor]:
+        """The draft's next token for each of `seqs` (logits row i for seqs[i], whose drafts so
+        far are drafted[i]), through the request's own sampling controls, and the distributions
+        [n, V] they were drawn from: the argmax (a point mass) for greedy requests."""
+        rows = [
+            Position(seq.sampling_params, seq.prompt_token_ids, seq.generator, seq.output_token_ids + done)
+            for seq, done in zip(seqs, drafted, strict=True)
+        ]
+        batch = self.sampler.prepare(rows, logits.device)
+        probs = self.sampler.distributions(logits, batch).probs
+        tokens = probs.argmax(dim=-1)
+        sampled = [row for row, greedy in enumerate(batch.greedy) if not greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = draw_full_rows(probs[index], [batch.generators[row] for row in sampled])
+        return tokens.tolist(), probs
 
     def _sync(self, seq: Sequence, k: int) -> bool:
         """Bring seq's shadow up to date: keep the K/V of the tokens the target agrees with, and
