@@ -5,7 +5,7 @@ token: rejected drafts are never read back, never cached; and no block leaks."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from yaie.cache.block_pool import BlockPool
@@ -27,10 +27,14 @@ def true_next(tokens: list[int]) -> int:
 @given(
     prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10), min_size=1, max_size=5),
     max_tokens=st.integers(1, 12),
-    num_blocks=st.integers(6, 30),
+    # A sequence alone must fit the pool (the engine refuses one that cannot): its longest
+    # prompt (20 tokens) and max_tokens take 8 blocks; drafts take only free blocks.
+    num_blocks=st.integers(8, 30),
     budget=st.integers(4, 24),
     guesses=st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=4), min_size=1, max_size=50),
 )
+# Two sequences that each need the whole pool: they can only take turns, by preemption.
+@example(prompts=[[0] * 10], max_tokens=12, num_blocks=8, budget=4, guesses=[[]])
 def test_kv_read_is_always_verified(
     prompts: list[list[int]], max_tokens: int, num_blocks: int, budget: int, guesses: list[list[int]]
 ) -> None:
@@ -40,7 +44,6 @@ def test_kv_read_is_always_verified(
     kv: dict[int, int] = {}  # slot -> token whose K/V it holds
     seqs = []
     for i, prompt in enumerate(prompts * 2):  # each prompt twice: the second may hit the cache
-        # Longest prompt (20 tokens) + max_tokens + drafts fit the smallest pool's context.
         seq = Sequence(f"s{i}", prompt * 2, SamplingParams(max_tokens=max_tokens))
         scheduler.add(seq)
         seqs.append(seq)
