@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -60,6 +61,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _env_flag(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
@@ -100,6 +111,11 @@ def _add_engine_args(add: Any) -> None:
         type=parse_bytes,
         help="KV cache size, e.g. 2GiB (default: a share of free memory)",
     )
+    add(
+        "--speculative-config",
+        type=_json_object,
+        help='speculative decoding, as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
 
 
 def _engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -110,6 +126,7 @@ def _engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        speculative_config=args.speculative_config,
         **overrides,
     )
 

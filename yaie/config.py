@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # How linear layers hold their weights (yaie/model/quantization.py).
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
@@ -24,6 +25,9 @@ class EngineConfig:
     # none: dequantize to dtype; auto: a GGUF file's linear layers as stored; int8/int4 at load.
     # "none" until the quantized path is benchmarked: it keeps exact transformers parity.
     quantization: str = "none"
+    # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 4};
+    # see yaie.spec.config.SpeculativeConfig. None: off.
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -479,6 +479,46 @@ def test_logprobs_are_those_of_the_processed_scaled_logits(batch: str) -> None:
                 assert top[0] == (token, entry.logprob)
 
 
+DISTRIBUTION_CASES = [
+    {"temperature": 0.7, "top_p": 0.8},
+    {"min_p": 0.3},
+    {"top_k": 6, "top_p": 0.9, "min_p": 0.15, "temperature": 0.8},
+    {"temperature": 1.5},
+]
+
+
+def test_distributions_are_what_the_draw_draws_from() -> None:
+    """Stages 1-3 without the draw (what speculative decoding verifies against): each sampled
+    row's truncated distribution, a point mass for greedy rows, processors applied, and the
+    logprobs `sample` reports for the same tokens."""
+    best = int(LOGITS.argmax())
+    seqs = [
+        *(make_seq(logprobs=3, **params) for params in DISTRIBUTION_CASES),
+        make_seq(temperature=0.0, logprobs=3, logit_bias={best: -100.0}),
+        make_seq([], [7], temperature=1.0, logprobs=3, min_tokens=3),
+    ]
+    logits = LOGITS.expand(len(seqs), -1).contiguous()
+    before = logits.clone()
+    sampler = Sampler([EOS])
+    batch = sampler.prepare(seqs, logits.device)
+    dist = sampler.distributions(logits, batch)
+    assert torch.equal(logits, before)
+    for row, params in enumerate(DISTRIBUTION_CASES):
+        expected = reference_probs(LOGITS, **params)
+        assert torch.equal(dist.probs[row] > 0, expected > 0)
+        torch.testing.assert_close(dist.probs[row].double(), expected, atol=1e-6, rtol=0)
+    greedy = len(DISTRIBUTION_CASES)
+    second = int(LOGITS.topk(2).indices[1])
+    assert dist.probs[greedy].tolist() == [1.0 if t == second else 0.0 for t in range(LOGITS.numel())]
+    banned = LOGITS.clone()
+    banned[EOS] = -math.inf
+    assert dist.probs[greedy + 1, EOS] == 0
+    torch.testing.assert_close(dist.probs[greedy + 1].double(), reference_probs(banned), atol=1e-6, rtol=0)
+
+    sampled = sampler.sample(logits, batch)
+    assert dist.token_logprobs(sampled.token_ids, [3] * len(seqs)) == sampled.logprobs
+
+
 def test_no_logprobs_and_greedy_fast_path() -> None:
     logits = torch.randn(3, 30)
     sampler = Sampler([EOS])

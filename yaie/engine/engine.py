@@ -3,6 +3,9 @@
     step() = scheduler.schedule() -> runner.execute() -> sampler.sample()
              -> output_processor.process() -> scheduler.update()
 
+With speculative decoding on (yaie.spec), a propose stage follows the schedule and the
+decoding sequences' drafts are verified instead of sampled; see yaie/spec/decoder.py.
+
 The scheduler picks which sequences compute which tokens, the runner runs them through the model,
 the sampler draws each sampling sequence's next token, the output processor appends the tokens,
 applies the stop rules and makes the outputs, and the scheduler records the step (KV progress,
@@ -16,7 +19,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,10 @@ from yaie.model.loader import LoadProgress, load_model
 from yaie.outputs import RequestOutput
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
+from yaie.spec.config import SpeculativeConfig
+from yaie.spec.decoder import SpecDecodeStats, SpeculativeDecoder
+from yaie.spec.proposers import TargetInfo
+from yaie.spec.verify import StepTokens
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ class EngineStats:
     kv_block_bytes: int
     num_preemptions: int
     num_computed_prompt_tokens: int  # prompt tokens actually run through the model (not cache hits)
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
     @property
     def kv_cache_used_bytes(self) -> int:
@@ -107,6 +115,10 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, load_progress: LoadProgress | None = None) -> None:
         """`load_progress`: called with (tensors loaded, total) while the model loads."""
         self.config = config = config or EngineConfig()
+        # Checked before anything loads, so a bad configuration leaves nothing half started.
+        spec_config = None
+        if config.speculative_config is not None:
+            spec_config = SpeculativeConfig.from_dict(config.speculative_config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
@@ -143,6 +155,13 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.speculator: SpeculativeDecoder | None = None
+        if spec_config is not None:
+            target = TargetInfo(
+                self.model_config.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
+                num_blocks, self.max_model_len, frozenset(self.eos_token_ids),
+            )  # fmt: skip
+            self.speculator = SpeculativeDecoder.create(spec_config, target, self.scheduler)
         self.sampler = Sampler(self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._ids = itertools.count()
@@ -243,6 +262,7 @@ class Engine:
             kv_block_bytes=self.kv_block_bytes,
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
+            spec_decode=None if self.speculator is None else replace(self.speculator.stats),
         )
 
     # -- the loop ---------------------------------------------------------------------------
@@ -250,14 +270,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         watched, started = self.step_log.watched, time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.propose(batch)
         model_output, sampled = self._forward(batch)
         outputs = self.output_processor.process(batch, model_output, sampled)
+        if self.speculator is not None:
+            self.speculator.record(batch)
         self.scheduler.update(batch)
         if watched:
             self.step_log.record(batch, started, self.scheduler)
         return outputs
 
-    def _forward(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput]:
+    def _forward(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:
         """Run the model and draw the next tokens for the batch.
 
         Neither touches a sequence's state (the K/V slots they write are written again, with
@@ -290,27 +314,32 @@ class Engine:
         batch.scheduled = [item for item, _ in kept]
         return merge_forward_results([out for _, out in kept], self.device, self.model_config.vocab_size)
 
-    def _forward_batch(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput]:
+    def _forward_batch(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:
         model_output = self.runner.execute(batch)
+        if self.speculator is not None and self.speculator.speculating:
+            return model_output, self.speculator.sample(batch, model_output.logits, self.sampler, self.device)
         sampling_batch = self.sampler.prepare(batch.sampling_seqs, self.device)
         return model_output, self.sampler.sample(model_output.logits, sampling_batch)
 
 
 def merge_forward_results(
-    results: list[tuple[RunnerOutput, SamplerOutput]], device: torch.device, vocab_size: int
-) -> tuple[RunnerOutput, SamplerOutput]:
+    results: list[tuple[RunnerOutput, SamplerOutput | StepTokens]], device: torch.device, vocab_size: int
+) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:
     """One batch's results from those of its parts, in order."""
     logits = [runner.logits for runner, _ in results]
     model_output = RunnerOutput(
         torch.cat(logits) if logits else torch.empty(0, vocab_size, device=device),
         [entry for runner, _ in results for entry in runner.prompt_logits],
     )
-    token_ids = [token for _, sampled in results for token in sampled.token_ids]
+    parts = [sampled for _, sampled in results]
+    plain = [sampled for sampled in parts if isinstance(sampled, SamplerOutput)]
+    if len(plain) < len(parts):  # a speculative step
+        return model_output, StepTokens.concat(parts)
+    token_ids = [token for sampled in plain for token in sampled.token_ids]
     logprobs = None
-    if any(sampled.logprobs is not None for _, sampled in results):
+    if any(sampled.logprobs is not None for sampled in plain):
+        none: list[Any] = [None]
         logprobs = [
-            entry
-            for _, sampled in results
-            for entry in (sampled.logprobs or [None] * len(sampled.token_ids))
+            entry for sampled in plain for entry in (sampled.logprobs or none * len(sampled.token_ids))
         ]
     return model_output, SamplerOutput(token_ids, logprobs)

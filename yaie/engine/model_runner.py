@@ -14,7 +14,9 @@ from yaie.model.llama import CausalLM
 
 @dataclass
 class RunnerOutput:
-    logits: torch.Tensor  # [sequences that sample this step, vocab], in batch order
+    # [rows, vocab], in batch order: one row per sequence that samples this step, or 1 + k rows
+    # for one verifying k draft tokens (its predictions after its last token and after each draft).
+    logits: torch.Tensor
     # For sequences that want prompt logprobs: (sequence, first target position, logits) where
     # logits row i is the prediction of prompt token `first target position + i`.
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
@@ -25,7 +27,7 @@ class _Inputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: list[int]  # the last row of each sequence that samples
+    logits_rows: list[int]  # the last row of each sequence that samples (1 + k, with k drafts)
     prompt_rows: list[tuple[Sequence, int, int, int]]  # (sequence, first target, first row, rows)
 
 
@@ -83,7 +85,10 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             done, table = seq.num_computed_tokens, seq.block_table
             start = len(input_ids)
-            input_ids.extend(seq.all_token_ids[done : done + n])
+            if item.spec_token_ids:
+                input_ids.extend((seq.all_token_ids + item.spec_token_ids)[done : done + n])
+            else:
+                input_ids.extend(seq.all_token_ids[done : done + n])
             positions.extend(range(done, done + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(done, done + n))
             if n == 1 and done > 0:
@@ -95,7 +100,7 @@ class ModelRunner:
             else:
                 prefills.append(self._prefill_with_context(start, n, done, table))
             if item.samples:
-                logits_rows.append(start + n - 1)
+                logits_rows.extend(range(start + n - 1 - len(item.spec_token_ids), start + n))
             # Row p predicts token p + 1; prompt logprobs want those predictions inside the prompt.
             wants_prompt = seq.sampling_params.prompt_logprobs is not None
             last = min(done + n, seq.num_prompt_tokens - 1)

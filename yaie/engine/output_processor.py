@@ -30,6 +30,7 @@ from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import SamplerOutput, prompt_logprobs
 from yaie.sampling_params import SamplingParams
+from yaie.spec.verify import StepTokens
 
 logger = logging.getLogger(__name__)
 
@@ -84,19 +85,24 @@ class OutputProcessor:
         )
 
     def process(
-        self, batch: SchedulerOutput, model_output: RunnerOutput, sampled: SamplerOutput
+        self, batch: SchedulerOutput, model_output: RunnerOutput, sampled: SamplerOutput | StepTokens
     ) -> list[RequestOutput]:
         """Append the sampled tokens and make the outputs of every request the step touched,
-        then of every request failed since the last call."""
+        then of every request failed since the last call. With speculative decoding a sequence
+        may get several tokens (`StepTokens`): they are appended one by one, and a stop met on
+        one of them drops those after it."""
         for seq, first_target, logits in model_output.prompt_logits:
             with self._failing_alone(seq.request_id):
                 self._record_prompt_logprobs(self.requests[seq.request_id], first_target, logits)
         touched: dict[str, Request] = {}
-        rows = zip(batch.sampling_seqs, sampled.token_ids, _row_logprobs(sampled), strict=True)
-        for seq, token_id, logprob in rows:
+        for seq, token_ids, logprobs in _rows(batch.sampling_seqs, sampled):
             with self._failing_alone(seq.request_id):
                 request = self.requests[seq.request_id]
-                self._append_token(request, request.choices[seq.index], token_id, logprob)
+                choice = request.choices[seq.index]
+                for token_id, logprob in zip(token_ids, logprobs, strict=True):
+                    self._append_token(request, choice, token_id, logprob)
+                    if choice.finish_reason is not None:
+                        break
                 touched[request.request_id] = request
         outputs = []
         for request in touched.values():
@@ -204,8 +210,13 @@ class OutputProcessor:
         )
 
 
-def _row_logprobs(sampled: SamplerOutput) -> Iterator[TokenLogprob | None]:
-    if sampled.logprobs is None:
-        yield from (None for _ in sampled.token_ids)
-    else:
-        yield from sampled.logprobs
+def _rows(
+    seqs: list[Sequence], sampled: SamplerOutput | StepTokens
+) -> Iterator[tuple[Sequence, list[int], list[TokenLogprob | None]]]:
+    """Per sequence that sampled: the tokens it gets this step and their logprobs."""
+    if isinstance(sampled, StepTokens):
+        yield from zip(seqs, sampled.token_ids, sampled.logprobs, strict=True)
+        return
+    logprobs = sampled.logprobs if sampled.logprobs is not None else [None] * len(sampled.token_ids)
+    for seq, token_id, logprob in zip(seqs, sampled.token_ids, logprobs, strict=True):
+        yield seq, [token_id], [logprob]

@@ -38,9 +38,24 @@ class ScheduledSequence:
     # Whether this step reaches the sequence's last known token, so a new one is sampled.
     # Fixed when scheduled: the step itself moves the counts it is computed from.
     samples: bool = field(init=False)
+    # Speculative decoding: draft tokens scheduled after the sequence's last token, counted in
+    # num_new_tokens, whose K/V is kept only as far as the target agrees with them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    def num_kept_spec_tokens(self) -> int:
+        """How many draft tokens became the sequence's own tokens, in order, once the step's
+        tokens were appended (their K/V, computed from the same tokens, is valid). Only
+        meaningful before `Scheduler.update` moves num_computed_tokens."""
+        first = self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+        kept = 0
+        for draft, actual in zip(self.spec_token_ids, self.seq.all_token_ids[first:], strict=False):
+            if draft != actual:
+                break
+            kept += 1
+        return kept
 
 
 @dataclass
@@ -152,16 +167,38 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
 
+    def add_lookahead(
+        self, output: SchedulerOutput, item: ScheduledSequence, draft_token_ids: list[int]
+    ) -> int:
+        """Schedule draft tokens after a decoding sequence's last token, for the target to verify
+        in this step: they count against the step's token budget, and their slots need blocks,
+        taken only where free (speculation never preempts or evicts). Returns how many of the
+        drafts were scheduled (a prefix of them; 0 when there is no room)."""
+        room = self.max_num_batched_tokens - output.num_batched_tokens
+        drafts = draft_token_ids[: max(0, room)]
+        seq = item.seq
+        while drafts and not self._grow(seq, item.num_new_tokens + len(drafts), evict=False):
+            drafts = drafts[: len(drafts) - 1]
+        item.spec_token_ids = list(drafts)
+        item.num_new_tokens += len(drafts)
+        return len(drafts)
+
     def update(self, output: SchedulerOutput) -> None:
         """After the step: record that the scheduled tokens' K/V are now in the cache, hand
         finished prompts to the prefix cache and to waiting siblings, and release the sequences
         whose status says they are done (set when their new token was appended, or when their
-        request failed)."""
+        request failed). Draft tokens the target did not keep are rolled back: their slots are
+        overwritten later, and blocks taken only for them go back to the pool."""
         for item in output.scheduled:
             seq = item.seq
             prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
             self.num_computed_prompt_tokens += max(0, min(prompt_left, item.num_new_tokens))
-            seq.num_computed_tokens += item.num_new_tokens
+            rejected = len(item.spec_token_ids) - item.num_kept_spec_tokens() if item.spec_token_ids else 0
+            seq.num_computed_tokens += item.num_new_tokens - rejected
+            if rejected:
+                keep = self.blocks_needed(seq.num_computed_tokens)
+                self.pool.free(seq.block_table[keep:])
+                del seq.block_table[keep:]
             # Share a finished prompt right away, so sequences arriving with the same prefix
             # while this one is still generating do not compute it again.
             if prompt_left > 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -201,13 +238,14 @@ class Scheduler:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _grow(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
-        """Make the sequence's block table cover `num_new_tokens` more tokens, if blocks allow."""
+    def _grow(self, seq: Sequence, num_new_tokens: int, reserve: int = 0, evict: bool = True) -> bool:
+        """Make the sequence's block table cover `num_new_tokens` more tokens, if blocks allow
+        (evicting prefix-cache blocks if need be, when `evict`)."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed <= 0:
             return True
         shortfall = needed + reserve - self.pool.num_free
-        if shortfall > 0 and self.prefix_cache is not None:
+        if shortfall > 0 and evict and self.prefix_cache is not None:
             self.prefix_cache.evict(shortfall)
         if needed + reserve > self.pool.num_free:
             return False

@@ -89,8 +89,14 @@ class StepLog:
         ended = time.perf_counter()
         duration = ended - started
         now = time.time()
-        decode = sum(1 for item in batch.scheduled if item.samples and item.num_new_tokens == 1)
-        prefill = batch.num_batched_tokens - decode
+        # A decoding sequence computes its last token, and any draft tokens scheduled after it.
+        decoding = [
+            item
+            for item in batch.scheduled
+            if item.samples and item.num_new_tokens == 1 + len(item.spec_token_ids)
+        ]
+        decode = len(decoding)
+        prefill = batch.num_batched_tokens - sum(item.num_new_tokens for item in decoding)
         bin_ = self._bin(int(now))
         bin_.steps += 1
         bin_.busy_s += duration

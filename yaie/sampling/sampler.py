@@ -43,6 +43,10 @@ the random number of each seeded row from its own generator. In order:
 
 When every row is greedy with nothing to apply (no bias, penalties, active min_tokens or
 logprobs), the step is a single argmax.
+
+`Sampler.distributions` runs stages 1-3 alone and returns each row's distribution as
+probabilities, for callers that decide tokens themselves (speculative decoding's verifier and
+draft model, yaie/spec): they see exactly what stage 4 would draw from.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from yaie.sampling.truncation import NEG_INF, Cut, Truncation
 from yaie.sampling.weights import exp_weights
 from yaie.sampling.workspace import Workspace
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "SamplingSeq", "prompt_logprobs"]
+__all__ = ["Distributions", "Sampler", "SamplerOutput", "SamplingBatch", "SamplingSeq", "prompt_logprobs"]
 
 
 @dataclass
@@ -71,6 +75,24 @@ class SamplerOutput:
     # top alternatives (as many as the row asked for, best first), or None for a row that did
     # not ask.
     logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class Distributions:
+    """Stages 1-3 over a batch's rows [n, V], without the draw (see `Sampler.distributions`)."""
+
+    scaled: torch.Tensor  # [n, V] float32: the processed logits over the row's temperature
+    log_z: torch.Tensor  # [n]: their logsumexp
+    # [n, V] float32: the distribution stage 4 draws from, i.e. the kept tokens' weights
+    # normalised; a point mass on the argmax for greedy rows.
+    probs: torch.Tensor
+    cut: Cut | None  # the truncation; None when every row is greedy
+
+    def token_logprobs(self, token_ids: list[int], num_top: list[int | None]) -> list[TokenLogprob | None]:
+        """Stage 5 for these rows: per row, token_ids[row]'s logprob with its ``num_top[row]``
+        best alternatives, as the sampler reports them; None for rows whose num_top is None."""
+        tokens = torch.tensor(token_ids, dtype=torch.long, device=self.scaled.device)
+        return token_logprobs(self.scaled, self.log_z, tokens, num_top, self.cut)
 
 
 class Sampler:
@@ -122,12 +144,7 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist())
 
         # One working copy, processed in place from here on.
-        work = self._workspace.get("logits", logits, torch.float32).copy_(logits)
-        for processor in batch.processors:
-            processor.apply(work)
-        if batch.temperatures is not None:
-            work.div_(batch.temperatures)
-        _tame_non_finite(work, logits)
+        work = _process(logits, batch, out=self._workspace.get("logits", logits, torch.float32))
 
         # The rows' log-normaliser, for logprobs and for top_p without top_k, comes with the
         # full-row weights exp(logit - row max), which the draw may need as well.
@@ -136,7 +153,7 @@ class Sampler:
         logprob_rows = batch.logprob_rows
         if logprob_rows or batch.truncation.needs_log_z(work.shape[1]):
             weights = self._full_row_weights(work)
-            log_z = work.amax(dim=-1) + weights.sum(dim=-1).log()
+            log_z = _log_z(work, weights)
 
         token_ids = work.argmax(dim=-1) if any(batch.greedy) else None
         cut: Cut | None = None
@@ -152,6 +169,24 @@ class Sampler:
             output.logprobs = token_logprobs(work, log_z, token_ids, batch.logprobs, cut)
         return output
 
+    @torch.inference_mode()
+    def distributions(self, logits: torch.Tensor, batch: SamplingBatch) -> Distributions:
+        """Stages 1-3 for the rows of ``logits`` [n, V] (left untouched), with the same code as
+        `sample`: the probabilities each row's token would be drawn from. The tensors returned
+        are the caller's (no work buffer is shared), so they outlive the next call."""
+        scaled = _process(logits, batch, out=torch.empty_like(logits, dtype=torch.float32))
+        weights = exp_weights(scaled, scaled.amax(dim=-1, keepdim=True))
+        log_z = _log_z(scaled, weights)
+        cut = None if all(batch.greedy) else batch.truncation.cut(scaled, log_z)
+        threshold = _draw_threshold(scaled, cut, batch)
+        if threshold is not None:
+            _cut_weights(weights, scaled, threshold)
+        probs = weights.div_(weights.sum(dim=-1, keepdim=True))
+        if any(batch.greedy):
+            point = torch.zeros_like(probs).scatter_(1, scaled.argmax(dim=-1, keepdim=True), 1.0)
+            probs = torch.where(batch.greedy_mask.unsqueeze(1), point, probs)
+        return Distributions(scaled, log_z, probs, cut)
+
     def _full_row_weights(self, work: torch.Tensor) -> torch.Tensor:
         weights = self._workspace.get("weights", work, work.dtype)
         return exp_weights(work, work.amax(dim=-1, keepdim=True), out=weights)
@@ -160,13 +195,7 @@ class Sampler:
         self, work: torch.Tensor, weights: torch.Tensor | None, cut: Cut, batch: SamplingBatch
     ) -> torch.Tensor:
         """Stage 4 for the batch (greedy rows get a token too, which the caller ignores)."""
-        threshold = cut.threshold
-        if batch.may_ban:
-            # Floored weights are never quite 0: cut the banned (-inf) logits explicitly.
-            lowest = torch.finfo(work.dtype).min
-            threshold = (
-                work.new_full((batch.num_rows,), lowest) if threshold is None else threshold.clamp_min(lowest)
-            )
+        threshold = _draw_threshold(work, cut, batch)
         if cut.fits is not None and len(cut.rows) == batch.greedy.count(False) and bool(cut.fits.all()):
             # Every sampled row keeps only some of its top candidates: draw among those. This
             # second path pays: with it, `benchmarks/sampler.py --threads 1` at batch 32 ran
@@ -183,8 +212,7 @@ class Sampler:
         if weights is None:
             weights = self._full_row_weights(work)
         if threshold is not None:
-            mask = self._workspace.get("mask", work, torch.bool)
-            weights.masked_fill_(torch.lt(work, threshold.unsqueeze(1), out=mask), 0.0)
+            _cut_weights(weights, work, threshold, mask=self._workspace.get("mask", work, torch.bool))
         return draw_full_rows(weights, batch.generators)
 
 
@@ -207,3 +235,40 @@ def _tame_non_finite(work: torch.Tensor, logits: torch.Tensor) -> None:
         best = logits[dead].to(work.dtype).nan_to_num(**tame).argmax(dim=-1)
         work[dead] = NEG_INF
         work[dead, best] = 0.0
+
+
+def _process(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor) -> torch.Tensor:
+    """Stages 1-2 into ``out`` (float32, shaped like logits): the processors, then the
+    temperatures; then every row made samplable (see _tame_non_finite)."""
+    out.copy_(logits)
+    for processor in batch.processors:
+        processor.apply(out)
+    if batch.temperatures is not None:
+        out.div_(batch.temperatures)
+    _tame_non_finite(out, logits)
+    return out
+
+
+def _log_z(scaled: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The rows' logsumexp [n], from their full-row weights exp(logit - row max)."""
+    return scaled.amax(dim=-1) + weights.sum(dim=-1).log()
+
+
+def _draw_threshold(work: torch.Tensor, cut: Cut | None, batch: SamplingBatch) -> torch.Tensor | None:
+    """Per row, the smallest logit the draw keeps: the truncation's cut, raised above -inf
+    when some processor banned tokens (floored weights are never quite 0, so banned logits
+    must be cut explicitly); None when nothing is cut."""
+    threshold = None if cut is None else cut.threshold
+    if batch.may_ban:
+        lowest = torch.finfo(work.dtype).min
+        threshold = (
+            work.new_full((batch.num_rows,), lowest) if threshold is None else threshold.clamp_min(lowest)
+        )
+    return threshold
+
+
+def _cut_weights(
+    weights: torch.Tensor, work: torch.Tensor, threshold: torch.Tensor, mask: torch.Tensor | None = None
+) -> None:
+    """Zero, in place, the weights of the logits below their row's threshold [n]."""
+    weights.masked_fill_(torch.lt(work, threshold.unsqueeze(1), out=mask), 0.0)

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from yaie.engine.engine import EngineStats
 from yaie.outputs import RequestOutput
+from yaie.spec.metrics import spec_decode_metrics
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -50,6 +51,8 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             "num_preemptions", "Sequences preempted to free KV cache blocks.", value=stats.num_preemptions
         )
+        if stats.spec_decode is not None:
+            yield from spec_decode_metrics(stats.spec_decode)
 
 
 class ServerMetrics:

@@ -1,0 +1,117 @@
+"""Speculative decoding against plain decoding: speed-up, acceptance, and the batch size where
+it stops paying (what `disable_by_batch_size` should be).
+
+    python benchmarks/speculative.py [--model PATH] [--configs JSON ...] [--clients 1 8 32]
+        [--max-tokens 128] [--repeats 3] [--out benchmarks/results/speculative.json]
+
+For each speculative config and each number of clients, the same greedy requests run with
+speculation off and on, alternating, in the same process (so both see the same machine load),
+and the script checks that both give the same tokens. Two prompt sets: `grounded` (the answer
+quotes or edits a text given in the prompt, where n-gram lookup should shine) and `chat` (open
+questions). Reported per config, set and client count: aggregate tok/s off and on, their ratio
+(read the ratios, not absolute figures, on shared machines), the acceptance rate and the mean
+accepted length (tokens per verifying step). Speculation is forced on at every batch size here
+(disable_by_batch_size is set to the client count) so that the curve shows where it stops paying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_utils import make_console, write_report  # benchmarks/ is the script's folder
+
+from yaie import LLM, SamplingParams
+
+GROUNDED = [
+    "Repeat the following text exactly: The quick brown fox jumps over the lazy dog. "
+    "The quick brown fox jumps over the lazy dog again and again.",
+    "Here is some code:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    "Rewrite it with type hints:\n",
+    "Summarise, quoting the key sentence: Speculative decoding lets a cheap proposer guess several "
+    "tokens that the large model then checks in one forward pass.",
+]
+CHAT = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain why the sky is blue.",
+]
+DEFAULT_CONFIGS = ['{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}']
+
+
+def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed, [out.outputs[0].token_ids for out in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="speculative configs, JSON")
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    console = make_console()
+    results: list[dict[str, Any]] = []
+    plain = LLM(args.model, enable_prefix_caching=False)
+    for raw in args.configs:
+        config = json.loads(raw)
+        for clients in args.clients:
+            spec = LLM(
+                args.model,
+                enable_prefix_caching=False,
+                speculative_config={**config, "disable_by_batch_size": clients},
+            )
+            for name, prompt_set in (("grounded", GROUNDED), ("chat", CHAT)):
+                prompts = [prompt_set[i % len(prompt_set)] for i in range(clients)]
+                run(plain, prompts, 8), run(spec, prompts, 8)  # warm-up
+                before = spec.engine.stats().spec_decode
+                times_off, times_on = [], []
+                same = True
+                for _ in range(args.repeats):
+                    t_off, tokens_off = run(plain, prompts, args.max_tokens)
+                    t_on, tokens_on = run(spec, prompts, args.max_tokens)
+                    times_off.append(t_off)
+                    times_on.append(t_on)
+                    same = same and tokens_off == tokens_on
+                after = spec.engine.stats().spec_decode
+                assert before is not None and after is not None
+                drafts = after.num_drafts - before.num_drafts
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                tokens = clients * args.max_tokens
+                row = {
+                    "config": config,
+                    "prompt_set": name,
+                    "clients": clients,
+                    "tok_s_off": tokens / statistics.median(times_off),
+                    "tok_s_on": tokens / statistics.median(times_on),
+                    "acceptance_rate": accepted / drafted if drafted else 0.0,
+                    "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+                    "identical_output": same,
+                }
+                row["speedup"] = row["tok_s_on"] / row["tok_s_off"]
+                results.append(row)
+                console.print(
+                    f"{config['method']:12} {name:9} clients={clients:3}  off {row['tok_s_off']:7.1f} tok/s  "
+                    f"on {row['tok_s_on']:7.1f} tok/s  x{row['speedup']:.2f}  "
+                    f"acceptance {row['acceptance_rate']:.2f}  "
+                    f"mean length {row['mean_accepted_length']:.2f}  identical={same}"
+                )
+    if args.out:
+        write_report(args.out, {"results": results}, console)
+
+
+if __name__ == "__main__":
+    main()
