@@ -216,7 +216,13 @@ class Sampler:
         return draw_full_rows(weights, batch.generators)
 
 
-def _tame_non_finite(work: torch.Tensor, logits: torch.Tensor) -> None:
+# Rows whose largest logit is bigger than this in magnitude are shifted to a maximum of 0: the
+# later stages take exp(logit - row max) with the exponent floored at row max + EXP_FLOOR, which
+# float32 cannot tell from row max itself once the row max's rounding step exceeds that floor.
+SHIFT_ABOVE = 2.0**16
+
+
+def _tame(work: torch.Tensor, logits: torch.Tensor) -> None:
     """Keep every row of the processed logits samplable, in place; ``logits`` are the raw ones.
 
     +inf reaches here from a model's logits, or from a temperature near the greedy floor that
@@ -224,28 +230,35 @@ def _tame_non_finite(work: torch.Tensor, logits: torch.Tensor) -> None:
     truncation with no token to keep: +inf becomes the largest float, NaN becomes "never"
     (-inf). A row left with no finite logit at all (every token banned or overflowed) has no
     distribution to draw from; it gets the raw logits' best token rather than failing the batch.
-    One reduction finds the rare rows that need any of this.
+    A row of huge logits is shifted to a maximum of 0 (softmax does not change; a token pushed
+    to -inf by the shift had probability 0 in float32 anyway). One reduction finds the rare
+    rows that need any of this.
     """
-    if bool(torch.isfinite(work.amax(dim=-1)).all()):
+    row_max = work.amax(dim=-1)
+    if bool((row_max.abs() <= SHIFT_ABOVE).all()):  # NaN compares False
         return
     tame = {"nan": NEG_INF, "posinf": torch.finfo(work.dtype).max, "neginf": NEG_INF}
     work.nan_to_num_(**tame)
-    dead = (work.amax(dim=-1) == NEG_INF).nonzero().squeeze(1)
+    row_max = work.amax(dim=-1)
+    dead = (row_max == NEG_INF).nonzero().squeeze(1)
     if len(dead):
         best = logits[dead].to(work.dtype).nan_to_num(**tame).argmax(dim=-1)
         work[dead] = NEG_INF
         work[dead, best] = 0.0
+    huge = ((row_max.abs() > SHIFT_ABOVE) & row_max.isfinite()).nonzero().squeeze(1)
+    if len(huge):
+        work[huge] -= row_max[huge].unsqueeze(1)
 
 
 def _process(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor) -> torch.Tensor:
     """Stages 1-2 into ``out`` (float32, shaped like logits): the processors, then the
-    temperatures; then every row made samplable (see _tame_non_finite)."""
+    temperatures; then every row made samplable (see _tame)."""
     out.copy_(logits)
     for processor in batch.processors:
         processor.apply(out)
     if batch.temperatures is not None:
         out.div_(batch.temperatures)
-    _tame_non_finite(out, logits)
+    _tame(out, logits)
     return out
 
 
