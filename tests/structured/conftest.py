@@ -25,7 +25,7 @@ def schemas() -> list[dict[str, Any]]:
     return entries
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def structured_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(tmp_path_factory.mktemp("structured"))
     yield server
@@ -33,6 +33,6 @@ def structured_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     assert "Traceback" not in server.log()  # every bad request was answered, none crashed
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sclient(structured_server: Server) -> openai.OpenAI:
     return structured_server.client(timeout=600)

@@ -53,7 +53,7 @@ MAX_TOKENS = 80
 
 
 def create(client: openai.OpenAI, **args: Any) -> Any:
-    return client.chat.completions.create(model=MODEL, tools=TOOLS, max_tokens=MAX_TOKENS, **args)
+    return client.chat.completions.create(model=MODEL, tools=TOOLS, **{"max_tokens": MAX_TOKENS, **args})
 
 
 def assert_valid_calls(message: Any, names: set[str]) -> None:
