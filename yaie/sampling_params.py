@@ -7,6 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from yaie.errors import InvalidRequestError
+from yaie.structured.spec import StructuredOutputs
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
@@ -41,6 +42,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Output constrained to a JSON schema, regex, choice or grammar (yaie/structured/).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -79,8 +79,8 @@ CASES = [
         "max_completion_tokens",
     ),
     Case("prompt beyond the context", COMPLETIONS, completion(prompt=[42] * 9000, max_tokens=None), "prompt"),
-    Case("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    Case("response_format json", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    Case("tools not a list", CHAT, chat(tools={"type": "function", "function": {"name": "f"}}), "tools"),
+    Case("response_format unknown", CHAT, chat(response_format={"type": "yaml"}), "response_format.type"),
     Case(
         "stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), "stream_options"
     ),

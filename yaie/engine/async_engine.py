@@ -155,13 +155,19 @@ class AsyncEngine:
         params: SamplingParams,
         max_waiting: int | None = None,
     ) -> list[RequestStream]:
-        """Queue (request id, prompt token ids) pairs together: all of them, or none.
+        """Queue (request id, prompt token ids) pairs together: all of them, or none. Their
+        structured outputs, if any, are compiled first on the tokenizer threads.
 
         `max_waiting` counts sequences, every choice of every request: EngineOverloadedError
         (retry later) when these would push the number waiting past it.
         """
         if self._closed:
             raise EngineClosedError("the server is shutting down")
+        spec = params.structured_outputs
+        if spec is not None:
+            # Compiled here, off the engine thread, so that a new schema holds up no step; the
+            # engine finds it in its cache when it adds the requests.
+            await self._off_thread(lambda: self._engine.compile_grammar(spec))
         num_seqs = len(requests) * params.n
         loop = asyncio.get_running_loop()
         streams = [RequestStream(request_id, self) for request_id, _ in requests]
@@ -209,9 +215,11 @@ class AsyncEngine:
         """Token ids of `text`, exactly as the engine tokenizes a prompt string."""
         return await self._off_thread(lambda: list(self.tokenizer(text).input_ids))
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a conversation through the model's chat template (Engine.encode_chat)."""
-        return await self._off_thread(lambda: self._engine.encode_chat(messages))
+        return await self._off_thread(lambda: self._engine.encode_chat(messages, tools))
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._off_thread(lambda: self.tokenizer.decode(token_ids))

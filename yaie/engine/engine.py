@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +44,9 @@ from yaie.spec.config import SpeculativeConfig
 from yaie.spec.decoder import SpecDecodeStats, SpeculativeDecoder
 from yaie.spec.proposers import TargetInfo
 from yaie.spec.verify import StepTokens
+from yaie.structured.backend import Grammar, GrammarCompiler
+from yaie.structured.spec import StructuredOutputs
+from yaie.structured.tools import hermes_messages, template_knows_tools
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +169,8 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured request
+        self._grammar_compiler_lock = threading.Lock()
         self.step_log = StepLog()  # records steps only while the engine view watches
 
     def _max_model_len(self, num_blocks: int) -> int:
@@ -190,8 +196,12 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
         self._check_request(token_ids, params)
+        grammar = self.compile_grammar(params.structured_outputs) if params.structured_outputs else None
         request = self.output_processor.new_request(request_id, text, token_ids, params)
         seqs = [choice.seq for choice in request.choices]
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = grammar.matcher()
         if params.seed is not None:
             for seq in seqs:
                 # Any integer is a valid seed: fold it into the 64 bits a generator takes.
@@ -200,14 +210,39 @@ class Engine:
         self.step_log.arrived(request_id)
         return request_id
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a conversation through the model's own chat template, ready to answer."""
+    def compile_grammar(self, spec: StructuredOutputs) -> Grammar:
+        """The compiled grammar for `spec`, cached; raises InvalidRequestError for one the grammar
+        library refuses. Thread-safe: the server calls it off the engine thread before adding a
+        request, so that compiling a new schema never holds up a step, and `add_request` then
+        finds it cached."""
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+        return self._grammar_compiler.compile(spec)
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation through the model's own chat template, ready to answer.
+        `tools` (OpenAI tool definitions) go to a template that renders them; for one that does
+        not, they, the calls and the tool results are written in the Hermes style
+        (yaie/structured/tools.py)."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequestError("this model has no chat template; use a plain prompt", "messages")
+        extra: dict[str, Any] = {}
+        if template_knows_tools(template):
+            extra = {"tools": tools} if tools else {}
+        elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = hermes_messages(messages, tools)
         try:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **extra
+            )
         except TemplateError as exc:  # templates raise on conversations they do not accept
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

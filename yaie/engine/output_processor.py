@@ -1,8 +1,9 @@
 """From sampled tokens to what a user sees: the step's last stage.
 
 For every sequence that sampled a token this step, `OutputProcessor.process` appends the token,
-detokenizes it, and applies the stop rules in one place: EOS and stop tokens (once `min_tokens`
-are out), stop strings, `max_tokens` and the model's context. A finished sequence gets its
+advances the sequence's grammar by it (structured outputs), detokenizes it, and applies the stop
+rules in one place: EOS and stop tokens (once `min_tokens` are out), stop strings, a completed
+grammar, `max_tokens` and the model's context. A finished sequence gets its
 status here; the scheduler releases its blocks when it records the step. Then each touched
 request gets a `RequestOutput` with its choices' text, deltas and logprobs.
 
@@ -132,6 +133,9 @@ class OutputProcessor:
     ) -> None:
         seq, params = choice.seq, request.params
         seq.append_token(token_id)
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            # The mask allowed only what the grammar accepts, so this is the library's failure.
+            raise RuntimeError(f"the grammar refused token {token_id}: {seq.grammar.error}")
         if choice.logprobs is not None and logprob is not None:
             choice.logprobs.append(logprob)
         may_stop = seq.num_output_tokens >= params.min_tokens
@@ -148,6 +152,9 @@ class OutputProcessor:
                 choice.text += delta
                 if may_stop and params.stop and self._cut_at_stop_string(choice, params, len(delta)):
                     status = SequenceStatus.FINISHED_STOPPED
+        if status is None and seq.grammar is not None and seq.grammar.is_terminated():
+            status = SequenceStatus.FINISHED_STOPPED  # nothing more can follow
+            choice.text += choice.detokenizer.flush()
         if status is None and (
             (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
             or seq.num_tokens >= self.max_model_len

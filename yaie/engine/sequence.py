@@ -53,6 +53,9 @@ class Sequence:
         # A torch.Generator for a seeded choice (set by the engine; the sampler draws from it).
         # Typed loosely so that this module, and the scheduler, never import torch.
         self.generator: Any = None
+        # A grammar matcher (yaie/structured/backend.py) for a choice with structured outputs:
+        # the sampler masks by it, the output processor advances it.
+        self.grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

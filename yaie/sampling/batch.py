@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from yaie.sampling.processors import LogitsProcessor
+from yaie.sampling.processors import LogitsProcessor, MaskFiller
 from yaie.sampling.truncation import Truncation
 from yaie.sampling_params import SamplingParams
 
@@ -19,6 +19,8 @@ class SamplingSeq(Protocol):
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     generator: torch.Generator | None  # set for seeded sequences
+    # Set for sequences with structured outputs, and read only for those.
+    grammar: MaskFiller | None
 
     @property
     def output_token_ids(self) -> list[int]: ...

@@ -1,10 +1,11 @@
 """Stage 1 of the sampler: logits processors, which edit the raw logits of the rows that ask
-for it before temperature and truncation (logit_bias, min_tokens bans, penalties).
+for it before temperature and truncation (grammar masks, logit_bias, min_tokens bans,
+penalties).
 
 Each processor is built once per step from the batch's sequences, holding the (row, token id)
 entries it touches as index tensors; applying it is then a few tensor operations on those
-entries alone, so its cost grows with the entries, not with the vocabulary. A grammar's token
-mask can join as one more processor that bans tokens.
+entries alone, so its cost grows with the entries, not with the vocabulary. The grammar mask
+is the exception: it touches whole rows, but only those of constrained sequences.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +24,15 @@ if TYPE_CHECKING:
     from yaie.sampling.batch import SamplingSeq
 
 NEG_INF = float("-inf")
+BITS = 32  # tokens per word of a grammar bitmask
+
+
+class MaskFiller(Protocol):
+    """A sequence's grammar matcher, as the sampler sees it (yaie/structured/backend.py)."""
+
+    vocab_size: int
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None: ...
 
 
 class LogitsProcessor(ABC):
@@ -106,6 +116,51 @@ class MinTokensBan(LogitsProcessor):
         logits.view(-1).index_fill_(0, _flat(self.rows, self.ids, logits.shape[1]), NEG_INF)
 
 
+# Row b of this table is what byte b of a grammar bitmask adds to its 8 tokens' logits: 0 for
+# an allowed token, -inf for a banned one. Adding it is much faster than a masked_fill by a
+# [B, V] bool mask, which torch does element by element on the CPU.
+_BYTE_BIAS = torch.zeros(256, 8).masked_fill_(
+    torch.tensor([[not (byte >> bit) & 1 for bit in range(8)] for byte in range(256)]), NEG_INF
+)
+
+
+class GrammarMask(LogitsProcessor):
+    """Bans, in the rows of sequences with structured outputs, every token their grammar does
+    not allow next. Each such row's matcher fills its row of a bitmask (one bit per token, set
+    when allowed, see yaie/structured/backend.py), which becomes a row of 0 / -inf to add; the
+    other rows are not touched at all. Applied first, so that no bias or penalty works on a
+    token the grammar forbids."""
+
+    bans = True
+
+    def __init__(self, rows: torch.Tensor, bias: torch.Tensor) -> None:
+        self.rows = rows  # [R] the constrained rows
+        self.bias = bias  # [R, V] float32, 0 where allowed and -inf where banned, for rows[r]
+
+    @classmethod
+    def build(cls, seqs: Sequence[SamplingSeq], device: torch.device) -> GrammarMask | None:
+        rows = [row for row, seq in enumerate(seqs) if seq.sampling_params.structured_outputs is not None]
+        if not rows:
+            return None
+        bitmask: torch.Tensor | None = None
+        vocab_size = 0
+        for i, row in enumerate(rows):
+            matcher = seqs[row].grammar
+            assert matcher is not None, "the engine gives every constrained sequence a matcher"
+            if bitmask is None:
+                vocab_size = matcher.vocab_size
+                bitmask = torch.empty(len(rows), -(-vocab_size // BITS), dtype=torch.int32)
+            matcher.fill_mask(bitmask, i)
+        assert bitmask is not None
+        # Byte k of a row holds tokens 8k..8k+7, lowest bit first (the words are little-endian).
+        byte_ids = bitmask.to(device).view(torch.uint8).view(-1).int()
+        bias = _BYTE_BIAS.to(device).index_select(0, byte_ids).view(len(rows), -1)[:, :vocab_size]
+        return cls(torch.tensor(rows, device=device), bias)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.index_add_(0, self.rows, self.bias)
+
+
 def has_penalty(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
@@ -180,6 +235,7 @@ def build_processors(
 ) -> list[LogitsProcessor]:
     """The processors this batch needs, in the order they apply."""
     candidates = (
+        GrammarMask.build(seqs, device),
         LogitBias.build(seqs, device),
         MinTokensBan.build(seqs, eos_token_ids, device),
         Penalties.build(seqs, device),

@@ -25,7 +25,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +49,7 @@ from yaie.sampling_params import SamplingParams
 from yaie.server import protocol as p
 from yaie.server.metrics import RequestTracker, ServerMetrics
 from yaie.server.web import PAGE_PATHS, web_router
+from yaie.structured.tools import ToolCall, ToolCallParser
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +404,7 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         messages = body.template_messages()
         self._check_chars([message["content"] for message in messages], "messages")
-        prompt = await self.engine.encode_chat(messages)
+        prompt = await self.engine.encode_chat(messages, body.tool_definitions)
         generation = await self._start(request, body, params, [(request_id, prompt)])
         chunks = self._chat_chunks(request_id, body, params.n, generation)
         if body.stream:
@@ -422,17 +423,32 @@ class OpenAIServer:
 
         roles = [p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)]
         yield chunk(roles)
+        # With tools, each choice's text is split into content and calls as it streams.
+        parsers = [ToolCallParser() for _ in range(n)] if body.calls_tools else None
         async with contextlib.aclosing(generation.updates()) as updates:
             async for update in updates:
-                choice = update.choice
-                if choice.delta_text or (body.logprobs and choice.delta_token_ids):
+                choice, index = update.choice, update.index
+                content, calls = choice.delta_text, []
+                if parsers is not None:
+                    parser = parsers[index]
+                    events = parser.feed(choice.delta_text)
+                    if update.finish_reason is not None:
+                        events += parser.finish()
+                    content = "".join(value for kind, value in events if kind == "content")
+                    calls = [value for kind, value in events if kind == "call"]
+                if content or (body.logprobs and choice.delta_token_ids):
                     logprobs = None
                     if body.logprobs:
                         logprobs = p.chat_logprobs(_new_logprobs(choice), self._decode_token)
-                    delta = {"content": choice.delta_text}
-                    yield chunk([p.ChatChunkChoice(index=update.index, delta=delta, logprobs=logprobs)])
+                    delta = {"content": content}
+                    yield chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
+                for call in calls:
+                    for delta in _tool_call_deltas(call):
+                        yield chunk([p.ChatChunkChoice(index=index, delta={"tool_calls": [delta]})])
                 if (reason := update.finish_reason) is not None:
-                    yield chunk([p.ChatChunkChoice(index=update.index, delta={}, finish_reason=reason)])
+                    if reason == "stop" and parsers is not None and parsers[index].num_calls:
+                        reason = "tool_calls"
+                    yield chunk([p.ChatChunkChoice(index=index, delta={}, finish_reason=reason)])
         if body.include_usage or not body.stream:  # a whole response always has its usage
             yield chunk([], usage=generation.usage())
 
@@ -611,6 +627,19 @@ def _new_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
     """The logprobs of the tokens this output added to the choice."""
     num_tokens = len(choice.token_ids)
     return (choice.logprobs or [])[num_tokens - len(choice.delta_token_ids) : num_tokens]
+
+
+def _tool_call_deltas(call: ToolCall) -> list[dict[str, Any]]:
+    """One call as OpenAI streams it: its id, type and name first, then its arguments."""
+    return [
+        {
+            "index": call.index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        },
+        {"index": call.index, "function": {"arguments": call.arguments}},
+    ]
 
 
 def _prompt_logprobs(output: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:

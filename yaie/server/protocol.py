@@ -8,6 +8,7 @@ something to coerce. Range checks live in SamplingParams, except for limits only
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
@@ -18,6 +19,9 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
 from yaie.sampling_params import SamplingParams
+from yaie.structured import tools as tool_format
+from yaie.structured.spec import PARAM as STRUCTURED_OUTPUTS
+from yaie.structured.spec import StructuredOutputs
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds, and the engine adds the choice index
@@ -49,23 +53,120 @@ class TextPart(OpenAIModel):
     text: Text
 
 
-class ChatMessage(OpenAIModel):
-    # "developer" is OpenAI's newer name for "system". Tool messages need tool support.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+class ToolCallFunction(OpenAIModel):
+    name: Text
+    arguments: Text  # JSON text
 
-    def to_template(self) -> dict[str, str]:
-        """The message as chat templates expect it: a role they know and plain-text content."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+class ToolCallIn(OpenAIModel):
+    """A call the assistant made, as a later request sends it back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(OpenAIModel):
+    # "developer" is OpenAI's newer name for "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None  # None only for an assistant turn that made calls
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns only
+    tool_call_id: Text | None = None  # tool turns: the call this is the result of
+
+    def check(self, index: int) -> None:
+        """What the types cannot say: which roles may leave out content or carry tool fields."""
+        def bad(field: str, message: str) -> InvalidRequestError:
+            param = f"messages[{index}].{field}"
+            return InvalidRequestError(f"{param}: {message}", param)
+
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad("content", "missing required parameter")
+        if self.tool_calls and self.role != "assistant":
+            raise bad("tool_calls", "only assistant messages make calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise bad("tool_call_id", "missing required parameter")
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: a role they know, plain-text content, and
+        tool calls with their arguments as objects (templates write them out with tojson)."""
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: Text
+    description: Text | None = None
+    # "schema" would shadow a BaseModel method, hence the alias.
+    schema_: dict[Text, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIModel):
-    type: Text
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` extra: one of these."""
+
+    json_: dict[Text, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: Text
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingRequest(OpenAIModel):
@@ -93,6 +194,8 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -100,7 +203,31 @@ class SamplingRequest(OpenAIModel):
 
     def _renames(self) -> dict[str, str]:
         """Fields that SamplingParams and the engine name differently from this request."""
-        return {}
+        return {STRUCTURED_OUTPUTS: self._structured_source()}
+
+    def _structured_source(self) -> str:
+        """The field the request's structured outputs come from, for errors."""
+        return "response_format" if self.response_format is not None else STRUCTURED_OUTPUTS
+
+    def _structured_outputs(self) -> StructuredOutputs | None:
+        """The constraint of `response_format` or of vLLM's `structured_outputs`."""
+        extra, response_format = self.structured_outputs, self.response_format
+        if extra is not None and response_format is not None and response_format.type != "text":
+            raise _unsupported("response_format", "cannot be combined with structured_outputs")
+        if extra is not None:
+            return StructuredOutputs(
+                json=extra.json_, regex=extra.regex, choice=extra.choice, grammar=extra.grammar,
+                json_object=bool(extra.json_object),
+            )  # fmt: skip
+        if response_format is None or response_format.type == "text":
+            return None
+        if response_format.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+            raise InvalidRequestError(
+                "response_format: json_schema.schema is required for type json_schema", "response_format"
+            )
+        return StructuredOutputs(json=response_format.json_schema.schema_)
 
     def translate_error(self, exc: InvalidRequestError) -> InvalidRequestError:
         """`exc` (from SamplingParams or the engine) naming this request's field instead."""
@@ -114,6 +241,7 @@ class SamplingRequest(OpenAIModel):
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
@@ -131,6 +259,7 @@ class SamplingRequest(OpenAIModel):
         }
         try:
             return SamplingParams(
+                structured_outputs=structured_outputs or self._structured_outputs(),
                 n=self.n,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -169,31 +298,60 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[Text, Any]] | None = None
-    tool_choice: Text | dict[Text, Any] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: a required call is one call
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise _unsupported("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _unsupported(
-                "response_format", f"only 'text' is supported, got {self.response_format.type!r}"
-            )
+        for index, message in enumerate(self.messages):
+            message.check(index)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
         return self._sampling_params(
             max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            structured_outputs=self._tool_call_grammar(),
         )
+
+    @property
+    def tool_definitions(self) -> list[dict[str, Any]] | None:
+        """The tools to show the model: none with tool_choice "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is parsed for tool calls."""
+        return self.tool_definitions is not None
+
+    def _tool_call_grammar(self) -> StructuredOutputs | None:
+        """For tool_choice "required" or a named function, the grammar of a valid call."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return None
+        tools = self.tool_definitions
+        if tools is None:
+            raise InvalidRequestError(f"tool_choice: {choice!r} needs tools", "tool_choice")
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if name is not None and all(tool["function"]["name"] != name for tool in tools):
+            raise InvalidRequestError(f"tool_choice: no tool is named {name!r}", "tool_choice")
+        constrained = self.response_format is not None and self.response_format.type != "text"
+        if constrained or self.structured_outputs is not None:
+            raise InvalidRequestError(
+                "tool_choice: a required call cannot be combined with response_format or structured_outputs",
+                "tool_choice",
+            )
+        return tool_format.call_grammar(tools, name)
+
+    def _structured_source(self) -> str:
+        return "tools" if self.tool_choice not in (None, "none", "auto") else super()._structured_source()
 
     def _renames(self) -> dict[str, str]:
         max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-        return {"max_tokens": max_tokens, "logprobs": "top_logprobs"}
+        return {**super()._renames(), "max_tokens": max_tokens, "logprobs": "top_logprobs"}
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template() for message in self.messages]
 
 
@@ -277,9 +435,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the turn is only tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -300,7 +470,10 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, and {} with finish_reason
+    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}, and {} with finish_reason.
+    # A tool call comes as {"index", "id", "type", "function": {"name", "arguments": ""}}, then
+    # {"index", "function": {"arguments": ...}} with its arguments.
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
@@ -435,11 +608,14 @@ def join_chat_chunks(chunks: Sequence[ChatCompletionChunk]) -> ChatCompletionRes
     order, and its finish reason. The last chunk must carry the usage."""
     usage = _usage_at_end(chunks)
     texts: dict[int, list[str]] = {}
+    calls: dict[int, list[ToolCall]] = {}
     logprobs: dict[int, list[ChatTokenLogprob]] = {}
     finish_reasons: dict[int, str] = {}
     for chunk in chunks:
         for choice in chunk.choices:
             texts.setdefault(choice.index, []).append(choice.delta.get("content", ""))
+            for delta in choice.delta.get("tool_calls", []):
+                _join_call(calls.setdefault(choice.index, []), delta)
             if choice.logprobs is not None:
                 logprobs.setdefault(choice.index, []).extend(choice.logprobs.content)
             if choice.finish_reason is not None:
@@ -447,7 +623,7 @@ def join_chat_chunks(chunks: Sequence[ChatCompletionChunk]) -> ChatCompletionRes
     choices = [
         ChatChoice(
             index=index,
-            message=AssistantMessage(content="".join(parts)),
+            message=_message("".join(parts), calls.get(index)),
             logprobs=ChatLogprobs(content=logprobs[index]) if index in logprobs else None,
             finish_reason=finish_reasons.get(index),
         )
@@ -457,6 +633,21 @@ def join_chat_chunks(chunks: Sequence[ChatCompletionChunk]) -> ChatCompletionRes
     return ChatCompletionResponse(
         id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
     )
+
+
+def _join_call(calls: list[ToolCall], delta: dict[str, Any]) -> None:
+    """Add one tool_calls delta: a new call (with its id), or more of a call's arguments."""
+    function = delta.get("function", {})
+    if delta["index"] == len(calls):
+        calls.append(ToolCall(id=delta["id"], function=FunctionCall(name=function["name"], arguments="")))
+    calls[delta["index"]].function.arguments += function.get("arguments", "")
+
+
+def _message(content: str, calls: list[ToolCall] | None) -> AssistantMessage:
+    if not calls:
+        return AssistantMessage(content=content)
+    # As OpenAI: content is null for a turn of calls alone (the whitespace around them is no content).
+    return AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
 
 
 def join_completion_chunks(chunks: Sequence[CompletionResponse]) -> CompletionResponse:
@@ -502,8 +693,18 @@ _REQUESTS: tuple[type[BaseModel], ...] = (
     TextPart,
     StreamOptions,
     ResponseFormat,
+    JsonSchemaFormat,
+    StructuredOutputsRequest,
+    ToolCallIn,
+    ToolCallFunction,
+    Tool,
+    FunctionDefinition,
+    NamedToolChoice,
+    NamedFunction,
 )
-_FIELD_NAMES = frozenset(name for model in _REQUESTS for name in model.model_fields)
+_FIELD_NAMES = frozenset(
+    field.alias or name for model in _REQUESTS for name, field in model.model_fields.items()
+)
 
 
 def _param_path(loc: Sequence[int | str]) -> str | None:

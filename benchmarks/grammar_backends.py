@@ -1,0 +1,224 @@
+"""xgrammar vs llguidance on the bundled model's tokenizer (49,152 tokens): the numbers behind
+the choice of grammar library in the README ("Structured outputs").
+
+For each library:
+- compile: the time from a JSON schema to a matcher that has filled its first mask, over the
+  schemas of tests/structured/data/schemas.json (a fresh compiler per schema, so no cache helps;
+  llguidance builds its lexer lazily, so its first mask is part of its "compile");
+- mask: the time to fill one step's bitmasks for batch 1, 8 and 32 constrained rows, each
+  row a matcher walking its schema by tokens drawn at random among those its mask allows;
+- apply: the time to apply those bitmasks to float32 logits [B, V] in place;
+- and what a step of yaie pays with the chosen library: the sampler's GrammarMask processor
+  built (every constrained row's mask filled) and applied, at the same batch sizes.
+
+xgrammar is not one of yaie's dependencies; for this comparison install it without the triton
+it asks for (CPU only): pip install --no-deps xgrammar apache-tvm-ffi
+
+    nice -n 19 python benchmarks/grammar_backends.py [--steps 40] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from yaie.model.loader import bundled_model_path, load_tokenizer
+from yaie.sampling.processors import GrammarMask
+from yaie.sampling_params import SamplingParams
+from yaie.structured.backend import GrammarCompiler
+from yaie.structured.spec import StructuredOutputs
+
+SCHEMAS = Path(__file__).resolve().parent.parent / "tests" / "structured" / "data" / "schemas.json"
+BATCHES = (1, 8, 32)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Xgrammar:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.vocab_size = vocab_size
+
+    def matcher(self, schema: str) -> Any:
+        compiler = self.xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        return self.xgr.GrammarMatcher(compiler.compile_json_schema(schema))
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def fill(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return bool(matcher.accept_token(token))
+
+    def done(self, matcher: Any) -> bool:
+        return bool(matcher.is_terminated())
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask)
+
+
+class Llguidance:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.llg = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.vocab_size = vocab_size
+
+    def matcher(self, schema: str) -> Any:
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar)
+        matcher.compute_bitmask()  # the lexer is built lazily: count it here
+        return matcher
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        return self.llg.torch.allocate_token_bitmask(rows, self.vocab_size)
+
+    def fill(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+        self.llg.torch.fill_next_token_bitmask(matcher, bitmask, row)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return bool(matcher.consume_token(token))
+
+    def done(self, matcher: Any) -> bool:
+        return bool(matcher.is_stopped())
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        self.llg.torch.apply_token_bitmask_inplace(logits, bitmask)
+
+
+def allowed(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
+    bits = bitmask[row].view(torch.uint8).numpy()
+    ids = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+    return [int(i) for i in ids if i < vocab_size]
+
+
+def time_compile(backend: Any, schemas: list[str]) -> list[float]:
+    times = []
+    for schema in schemas:
+        started = time.perf_counter()
+        backend.matcher(schema)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def time_masks(
+    backend: Any, schemas: list[str], batch: int, steps: int, rng: random.Random
+) -> tuple[float, float]:
+    """Mean seconds per step to fill `batch` rows' masks, and to apply them."""
+    matchers = [backend.matcher(schemas[i % len(schemas)]) for i in range(batch)]
+    bitmask = backend.bitmask(batch)
+    logits = torch.randn(batch, backend.vocab_size)
+    backend.apply(logits.clone(), bitmask)  # a first call may compile its kernel
+    fill_s = apply_s = 0.0
+    for _ in range(steps):
+        started = time.perf_counter()
+        for row, matcher in enumerate(matchers):
+            backend.fill(matcher, bitmask, row)
+        fill_s += time.perf_counter() - started
+        started = time.perf_counter()
+        backend.apply(logits, bitmask)
+        apply_s += time.perf_counter() - started
+        for row in range(batch):
+            if backend.done(matchers[row]):
+                matchers[row] = backend.matcher(schemas[(row + 1) % len(schemas)])
+                continue
+            choices = allowed(bitmask, row, backend.vocab_size)
+            assert backend.accept(matchers[row], rng.choice(choices))
+    return fill_s / steps, apply_s / steps
+
+
+@dataclass
+class Row:
+    """A constrained sequence as the sampler sees it."""
+
+    sampling_params: SamplingParams
+    grammar: Any
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def time_yaie_mask(tokenizer: Any, vocab_size: int, schemas: list[str], batch: int, steps: int) -> float:
+    """Mean seconds per step of GrammarMask.build + apply over `batch` constrained rows, each
+    row advancing by its greedy token under the mask."""
+    compiler = GrammarCompiler(tokenizer, vocab_size, [tokenizer.eos_token_id])
+    specs = [StructuredOutputs(json=schemas[i % len(schemas)]) for i in range(batch)]
+    rows = [Row(SamplingParams(structured_outputs=spec), compiler.compile(spec).matcher()) for spec in specs]
+    device = torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    total = 0.0
+    for step in range(steps + 1):  # step 0 warms up
+        logits = torch.randn(batch, vocab_size, generator=generator)
+        started = time.perf_counter()
+        mask = GrammarMask.build(rows, device)
+        assert mask is not None
+        mask.apply(logits)
+        total += (time.perf_counter() - started) if step else 0.0
+        for row, token in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
+            if row.grammar.is_terminated():
+                row.grammar = compiler.compile(row.sampling_params.structured_outputs).matcher()
+            else:
+                assert row.grammar.accept(token)
+    return total / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(bundled_model_path())
+    vocab_size = len(tokenizer)
+    schemas = [json.dumps(entry["schema"]) for entry in json.loads(SCHEMAS.read_text())]
+    print(f"vocabulary: {vocab_size} tokens; {len(schemas)} schemas; {args.threads} torch thread(s)")
+    makers: list[Callable[[Any, int], Any]] = [Xgrammar, Llguidance]
+    for make in makers:
+        started = time.perf_counter()
+        backend = make(tokenizer, vocab_size)
+        setup = time.perf_counter() - started
+        compile_times = time_compile(backend, schemas)
+        print(f"\n{backend.name}: tokenizer setup {setup * 1e3:.0f} ms")
+        print(
+            f"  compile  p50 {statistics.median(compile_times) * 1e3:7.2f} ms   "
+            f"p99 {percentile(compile_times, 0.99) * 1e3:7.2f} ms"
+        )
+        for batch in BATCHES:
+            fill, apply = time_masks(backend, schemas, batch, args.steps, random.Random(0))
+            print(
+                f"  batch {batch:2d}: fill {fill * 1e3:7.3f} ms/step ({fill / batch * 1e6:6.1f} us/row)"
+                f"   apply {apply * 1e3:6.3f} ms/step"
+            )
+    print("\nyaie's GrammarMask (llguidance), build + apply per step:")
+    for batch in BATCHES:
+        seconds = time_yaie_mask(tokenizer, vocab_size, schemas, batch, args.steps)
+        print(f"  batch {batch:2d}: {seconds * 1e3:7.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()

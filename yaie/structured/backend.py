@@ -1,0 +1,153 @@
+"""The grammar library behind one small interface: `GrammarCompiler.compile(spec) -> Grammar`,
+`Grammar.matcher() -> GrammarMatcher`, and a matcher that fills its row of a token bitmask,
+accepts the sampled token, says when it is terminated and rolls back.
+
+The library is llguidance (the README's "Structured outputs" has the measurements behind the
+choice): it builds its lexer lazily, so a new schema costs well under a millisecond before its
+first mask, where xgrammar precomputes per-schema token tables for tens of milliseconds.
+
+A bitmask row holds one bit per token, 32 tokens per int32 (token t is bit t % 32 of word
+t // 32), set when the token is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from yaie.errors import InvalidRequestError
+from yaie.structured.spec import PARAM, StructuredOutputs
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+
+CACHE_SIZE = 256  # compiled grammars kept, most recently used first
+# Compact JSON, as OpenAI writes it: with free whitespace a small model can loop on newlines
+# until max_tokens, while the content of the JSON is the same either way.
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class GrammarError(InvalidRequestError):
+    """A schema, regex or grammar the library refuses; names the request's field."""
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher  # an llguidance.LLMatcher
+        self.vocab_size = vocab_size
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]` (int32, CPU, contiguous)."""
+        target = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        self._raise_on_error()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False if the grammar does not allow it."""
+        return bool(self._matcher.consume_token(token_id))
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and takes no more tokens (after EOS, or when nothing can follow)."""
+        return bool(self._matcher.is_stopped())
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (for speculative decoding's rejected drafts)."""
+        if not self._matcher.rollback(num_tokens):
+            self._raise_on_error()
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error())
+
+    def _raise_on_error(self) -> None:
+        if self._matcher.is_error():
+            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+
+
+class Grammar:
+    """A compiled constraint: a matcher at its start, copied for each sequence."""
+
+    def __init__(self, prototype: Any, vocab_size: int) -> None:
+        self._prototype = prototype
+        self.vocab_size = vocab_size
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._prototype.deep_copy(), self.vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutputs` for one tokenizer, caching the results by their key.
+
+    Thread-safe: the server compiles on its tokenizer threads while the engine thread makes
+    matchers. `eos_token_ids` are the tokens that end a sequence; the grammar allows them once
+    it is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
+        )
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputs, param: str = PARAM) -> Grammar:
+        """The grammar for `spec`; raises GrammarError (naming `param`) for one the library refuses."""
+        key = spec.key
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                return grammar
+        grammar = self._compile(spec, param)  # outside the lock: others' cache hits go on
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: StructuredOutputs, param: str) -> Grammar:
+        try:
+            text = grammar_text(spec)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"{param}: {exc}", param) from exc
+        matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{param}: {_kind(spec)} is invalid: {matcher.get_error()}", param)
+        return Grammar(matcher, self.vocab_size)
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar for `spec` (ValueError for a schema that is not JSON)."""
+    if spec.json is not None:
+        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+        return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+    if spec.json_object:
+        return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS))
+    if spec.regex is not None:
+        return str(llguidance.LLMatcher.grammar_from_regex(spec.regex))
+    if spec.choice is not None:
+        # JSON string literals are Lark string literals.
+        alternatives = " | ".join(json.dumps(choice) for choice in spec.choice)
+        return str(llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}"))
+    assert spec.grammar is not None
+    return str(llguidance.LLMatcher.grammar_from_lark(spec.grammar))
+
+
+def _kind(spec: StructuredOutputs) -> str:
+    return spec.key[0].replace("_", " ")
