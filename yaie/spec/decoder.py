@@ -148,6 +148,11 @@ class SpeculativeDecoder:
         return limit
 
     def _wants_to_draft(self, seq: Sequence) -> bool:
+        if seq.grammar is not None:
+            # Verifying drafts would need the grammar's mask at every drafted position (advance
+            # the matcher through the draft, roll it back after): not done yet, so structured
+            # outputs decode one token a step.
+            return False
         state = self._states.setdefault(seq, _SeqState())
         if state.paused_steps > 0:
             state.paused_steps -= 1

@@ -31,6 +31,7 @@ import torch
 from yaie.outputs import TokenLogprob
 from yaie.sampling.batch import SamplingSeq
 from yaie.sampling.draw import draw_full_rows, uniforms
+from yaie.sampling.processors import MaskFiller
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class Position:
     prompt_token_ids: list[int]
     generator: torch.Generator | None
     output_token_ids: list[int]
+    grammar: MaskFiller | None = None  # always None: constrained sequences do not draft (decoder.py)
 
 
 def positions(seq: SamplingSeq, drafted: list[int]) -> list[Position]:
