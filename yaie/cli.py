@@ -35,6 +35,7 @@ from yaie.errors import InvalidRequestError, YaieError
 from yaie.model.loader import LoadProgress
 from yaie.sampling_params import SamplingParams
 from yaie.server.app import ServerLimits, build_app
+from yaie.server.connections import http_protocol
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
@@ -229,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="seconds an idle keep-alive connection is kept open",
     )
+    env.add(
+        "--timeout-request-head",
+        type=_positive_int,
+        default=30,
+        help="seconds a connection has to send a complete request line and headers (slowloris)",
+    )
     serve.set_defaults(run=run_serve)
 
     chat = commands.add_parser("chat", help="chat in the terminal, with a local model or a server")
@@ -329,10 +336,10 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
-        # Closes a connection idle this long after a response. uvicorn has no timeout for a
-        # request's headers (slowloris); what bounds them is h11's cap on their size (16 KiB,
-        # its default), and the body is bounded by LimitRequestBytes.
+        # Closes a connection idle this long after a response; yaie/server/connections.py
+        # adds the deadline for a request's head that uvicorn lacks.
         timeout_keep_alive=args.timeout_keep_alive,
+        http=http_protocol(args.timeout_request_head),
     )
     Server(server_config, async_engine, name).run()
     async_engine.shutdown()
