@@ -58,8 +58,11 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally)
             async with http.stream("POST", path, json=body) as response:
                 events = 0
                 async for line in response.aiter_lines():
-                    events += line.startswith("data: ")
-                    if '"error"' in line:
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events += 1
+                    # An error event, not a completion whose text happens to say "error".
+                    if "error" in json.loads(line[len("data: ") :]):
                         tally.errors.append(line[:200])
                     if hang_up and events >= rng.randint(1, 5):
                         tally.outcomes["hung up mid-stream"] += 1
