@@ -501,7 +501,7 @@ def fit_cost_model(config: EngineConfig) -> tuple[CostModel, float]:
             lengths = [min(context, budget)] * min(batch, config.max_num_seqs)
             _run_timed(engine, lengths, FIT_DECODE_STEPS, shapes, seconds)
     settings = {
-        "model": str(engine.model_path),
+        "model": str(engine.model_info.path),
         "block_size": config.block_size,
         "num_kv_blocks": engine.block_pool.num_blocks,
         "max_num_seqs": config.max_num_seqs,
