@@ -11,7 +11,6 @@ The last matters because transformers dequantizes llama/qwen files with gguf-py,
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from gguf_writer import (
     reference_dequantize,
     write_gguf,
 )
+from tiny_models import randomize
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -58,21 +58,6 @@ def vocab() -> tuple[list[str], list[str]]:
     tokens, merges = byte_level_vocab(63)  # 256 bytes + 63 merges + <|endoftext|> = 320 tokens
     assert len(tokens) == 320
     return tokens, merges
-
-
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of O(1) activations, so that logits are O(1) and a wrong tensor shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 2:
-                p.copy_(noise / math.sqrt(p.shape[1]))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * noise)
-            else:  # norm weights
-                p.copy_(1.0 + 0.2 * noise)
-    return model.eval()
 
 
 def common(tokens: list[str]) -> dict:

@@ -20,7 +20,6 @@ Two checks per model:
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf_writer import Q, byte_level_vocab, gguf_tensor_name, write_gguf
 from test_quant_kernels import quantized_activations
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, randomize
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from yaie.config import EngineConfig
@@ -64,21 +63,6 @@ def config_kwargs(tokens: list[str], hidden: int, intermediate: int) -> dict:
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
         bos_token_id=eot, eos_token_id=eot,
     )  # fmt: skip
-
-
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of O(1) activations, so that logits are O(1) and a misplaced row shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 2:
-                p.copy_(noise / math.sqrt(p.shape[1]))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * noise)
-            else:
-                p.copy_(1.0 + 0.2 * noise)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

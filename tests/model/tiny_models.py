@@ -6,6 +6,7 @@ weight or layout changes them well beyond the comparison tolerance.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -96,3 +97,18 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights of O(1) activations, so that logits are O(1) and a wrong tensor or misplaced row shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 2:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * noise)
+            else:  # norm weights
+                p.copy_(1.0 + 0.2 * noise)
+    return model.eval()
