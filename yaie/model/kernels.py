@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
-        "paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp", "quant_matmul.cpp", "quant_x86.cpp"
+        "paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp", "quant_matmul.cpp", "quant_x86.cpp",
+        "decode_layer.cpp",
     )
 ]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.

@@ -17,6 +17,7 @@ from torch import nn
 from yaie.model import kernels
 from yaie.model.attention import AttentionMetadata, paged_attention
 from yaie.model.config import ModelConfig
+from yaie.model.fused_decode import FusedDecode
 from yaie.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 
 
@@ -56,6 +57,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # Set by CausalLM.pack() where the layer's weights are quantized (yaie/model/fused_decode.py).
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -66,6 +69,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to `residual` (the running sum of
         the embedding and every sublayer's output). Returns this layer's pair."""
+        if self.fused_decode is not None and self.fused_decode.runs(x, meta):
+            return self.fused_decode(x, residual, rope, meta)
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, rope, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
@@ -105,3 +110,5 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        for layer in self.layers:
+            layer.fused_decode = FusedDecode.for_layer(layer)

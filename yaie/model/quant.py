@@ -180,10 +180,14 @@ def _cpu_isas() -> tuple[str, ...]:
 
 def isa() -> str:
     """The kernel path in use: the best this CPU has, or the one YAIE_QUANT_ISA names."""
-    paths = available_isas()
+    return _resolve_isa(available_isas(), os.environ.get("YAIE_QUANT_ISA"))
+
+
+@functools.cache
+def _resolve_isa(paths: tuple[str, ...], forced: str | None) -> str:
+    # Cached: every matmul asks, and the answer changes only with its arguments.
     if not paths:
         return "none"
-    forced = os.environ.get("YAIE_QUANT_ISA")
     if forced is None:
         return paths[-1]
     if forced not in paths:
@@ -267,7 +271,10 @@ class QuantizedLinear(nn.Module):
         path = isa()
         if path == "none":
             return F.linear(x.float(), self.dequantize(), self.bias).to(x.dtype)
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        # Decoding calls this ~120 times a token with one row: each op spared here counts.
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
         if rows.shape[0] >= DEQUANTIZED_FROM_ROWS:
             y = torch.ops.yaie.quant_matmul_dequantized(
                 rows, self.qweight, self.scales, self.mins, self.bias, self.out_features, TILE_ROWS
@@ -276,4 +283,6 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.yaie.quant_matmul(
                 rows, self.qweight, self.scales, self.mins, self.bias, self.out_features, ISAS.index(path)
             )
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

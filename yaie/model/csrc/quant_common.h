@@ -45,6 +45,15 @@ struct QuantizedRows {
   int64_t blocks;
 };
 
+// One activation row -> int8 blocks of 32: d = max|x| / 127, q = round-half-even(x / d) (as
+// x * (1 / d)), s = d * sum(q). Every path computes exactly the same values.
+using QuantizeRowFn = void (*)(const float* x, int64_t blocks, int8_t* q, float* d, float* s);
+
+void quantize_row_scalar(const float* x, int64_t blocks, int8_t* q, float* d, float* s);
+#if defined(__x86_64__) || defined(__i386__)
+void quantize_row_avx2(const float* x, int64_t blocks, int8_t* q, float* d, float* s);
+#endif
+
 // Kernel paths, lowest first; the value is what the Python side passes as `isa`.
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
 

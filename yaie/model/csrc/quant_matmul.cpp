@@ -18,8 +18,10 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <vector>
 
 #include "quant_common.h"
+#include "quant_matmul.h"
 
 namespace yaie_quant {
 
@@ -57,6 +59,30 @@ void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first
   }
 }
 
+// Per row and 32-block: d = max|x| / 127, q = round(x / d), s = d * sum(q). fast-math is off
+// here: it may rewrite these divisions as reciprocal products, and the tests reproduce the
+// rounding exactly in PyTorch (q off by one on a tie would be an error far above fp32 rounding).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+void quantize_row_scalar(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float scale = amax * (1.f / 127.f);
+    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inverse)));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+#pragma GCC pop_options
+
 }  // namespace yaie_quant
 
 namespace {
@@ -85,65 +111,45 @@ bool isa_supported(int64_t isa) {
 #endif
 }
 
-MatmulFn kernel_for(int64_t isa) {
+struct Kernels {
+  QuantizeRowFn quantize_row;
+  MatmulFn matmul;
+};
+
+Kernels kernels_for(int64_t isa) {
   TORCH_CHECK(isa_supported(isa), "quantized matmul: ISA path ", isa, " is not supported by this CPU");
 #if defined(__x86_64__) || defined(__i386__)
   switch (isa) {
     case kAvx2:
-      return matmul_avx2;
+      return {quantize_row_avx2, matmul_avx2};
     case kAvxVnni:
-      return matmul_avxvnni;
+      return {quantize_row_avx2, matmul_avxvnni};
     case kAvx512Vnni:
-      return matmul_avx512vnni;
+      return {quantize_row_avx2, matmul_avx512vnni};
     default:
       break;
   }
 #endif
-  return matmul_scalar;
+  return {quantize_row_scalar, matmul_scalar};
 }
 
-struct Activations {
-  at::Tensor q, d, s;
-};
-
-// Per row and 32-block: d = max|x| / 127, q = round(x / d), s = d * sum(q). fast-math is off
-// here: it may rewrite these divisions as reciprocal products, and the tests reproduce the
-// rounding exactly in PyTorch (q off by one on a tie would be an error far above fp32 rounding).
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
-void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float scale = amax * (1.f / 127.f);
-    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inverse)));
-      q[b * kBlock + i] = static_cast<int8_t>(v);
-      sum += static_cast<int32_t>(v);
-    }
-    d[b] = scale;
-    s[b] = scale * static_cast<float>(sum);
-  }
-}
-#pragma GCC pop_options
-
-Activations quantize_rows(const at::Tensor& x) {
+// The quantized activations live in one per-thread buffer that grows to the largest call and is
+// reused: a one-row matmul is short enough that three tensor allocations a call are measurable.
+QuantizedRows quantize_rows(const at::Tensor& x, QuantizeRowFn quantize_row) {
   const int64_t rows = x.size(0), blocks = x.size(1) / kBlock;
-  Activations a{at::empty({rows, blocks * kBlock}, x.options().dtype(at::kChar)),
-                at::empty({rows, blocks}, x.options()), at::empty({rows, blocks}, x.options())};
+  thread_local std::vector<float> buffer;
+  // q as int8 [rows, blocks * 32] (8 floats' bytes per block), then d and s as floats [rows, blocks].
+  buffer.resize(static_cast<size_t>(rows * blocks * 10));
+  int8_t* q = reinterpret_cast<int8_t*>(buffer.data());
+  float* d = buffer.data() + rows * blocks * 8;
+  float* s = d + rows * blocks;
   const float* xp = x.data_ptr<float>();
-  int8_t* q = a.q.data_ptr<int8_t>();
-  float* d = a.d.data_ptr<float>();
-  float* s = a.s.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / x.size(1)), [&](int64_t first, int64_t last) {
     for (int64_t m = first; m < last; ++m) {
       quantize_row(xp + m * blocks * kBlock, blocks, q + m * blocks * kBlock, d + m * blocks, s + m * blocks);
     }
   });
-  return a;
+  return {q, d, s, rows, blocks};
 }
 
 PackedWeights packed_view(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
@@ -180,22 +186,29 @@ at::Tensor finish(at::Tensor y, int64_t out_features, const std::optional<at::Te
   return y;
 }
 
+}  // namespace
+
+namespace yaie_quant {
+
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be a contiguous float32 [M, K]");
   const PackedWeights w = packed_view(qweight, scales, mins);
   TORCH_CHECK(x.size(1) == w.blocks * kBlock, "x has ", x.size(1), " features, the weight ", w.blocks * kBlock);
-  const MatmulFn kernel = kernel_for(isa);
-  const Activations a = quantize_rows(x);
-  const QuantizedRows rows{a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), a.s.data_ptr<float>(), x.size(0), w.blocks};
+  const Kernels kernels = kernels_for(isa);
+  const QuantizedRows rows = quantize_rows(x, kernels.quantize_row);
   at::Tensor y = at::empty({x.size(0), w.groups * kGroupRows}, x.options());
   float* yp = y.data_ptr<float>();
   // A chunk of at least ~64k multiply-adds: below that, waking the pool costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (x.size(0) * x.size(1) * kGroupRows));
-  at::parallel_for(0, w.groups, grain, [&](int64_t first, int64_t last) { kernel(w, rows, first, last, yp, y.size(1)); });
+  at::parallel_for(0, w.groups, grain, [&](int64_t first, int64_t last) { kernels.matmul(w, rows, first, last, yp, y.size(1)); });
   return finish(y, out_features, bias);
 }
+
+}  // namespace yaie_quant
+
+namespace {
 
 void dequantize_groups(const PackedWeights& w, int64_t first, int64_t last, float* out) {
   const int64_t bytes = w.bits == 4 ? 64 : 128;
@@ -259,6 +272,6 @@ TORCH_LIBRARY_FRAGMENT(yaie, m) {
 }
 
 TORCH_LIBRARY_IMPL(yaie, CPU, m) {
-  m.impl("quant_matmul", &quant_matmul);
+  m.impl("quant_matmul", &yaie_quant::quant_matmul);
   m.impl("quant_matmul_dequantized", &quant_matmul_dequantized);
 }

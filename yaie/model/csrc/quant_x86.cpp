@@ -17,6 +17,48 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 }
 #include "quant_simd.h"
 }  // namespace yaie_quant::avx2
+
+namespace yaie_quant {
+
+// quantize_row_scalar's arithmetic, eight lanes at a time (the VNNI paths use it too: quantizing
+// is a small part of a matmul and has no dot products to speed up). Rounding is the SSE4.1
+// round-to-nearest-even, as nearbyint in the default rounding mode; the max ignores NaNs as
+// std::max(amax, |x|) does.
+void quantize_row_avx2(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+      amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), amax);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) * (1.f / 127.f);
+    const __m256 inverse = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    }
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    // int32 -> int8 packs within 128-bit lanes: 4-byte runs come out as
+    // [q0 q1 q2 q3 | q0' ...] by lane; the permute puts the eight runs back in order.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(t4));
+  }
+}
+
+}  // namespace yaie_quant
 #pragma GCC pop_options
 
 #pragma GCC push_options

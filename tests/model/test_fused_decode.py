@@ -1,0 +1,84 @@
+"""Decoding steps through csrc/decode_layer.cpp (yaie/model/fused_decode.py) against the layers'
+Python forward: the native op runs the same kernels in the same order, so every token and every
+logprob must be identical to the bit, for one sequence and for a batch, in every ISA path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf_writer import Q
+from test_quant_kernels import isa  # noqa: F401 (a fixture)
+from test_quantized_model import llama, qwen2, vocab, write  # noqa: F401 (fixtures)
+from tiny_models import make_tiny_model
+
+from yaie.llm import LLM
+from yaie.model.fused_decode import FusedDecode
+from yaie.sampling_params import SamplingParams
+
+PROMPTS = ["the quick brown fox", "hello world, hello", "lazy dog jumps over"]
+
+
+def quantized_llm(path: Path) -> LLM:
+    # No prefix cache: both runs of a comparison compute every prompt token the same way.
+    return LLM(str(path), quantization="auto", num_kv_blocks=16, enable_prefix_caching=False)
+
+
+def generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    return [(o.token_ids, [(step.token_id, step.logprob, step.top) for step in o.logprobs]) for o in outputs]
+
+
+def fused_and_python(llm: LLM, prompts: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, int]:
+    """The same generation with the native decode path, then with it turned off; and how many
+    layer steps took the native path."""
+    calls = 0
+    native = FusedDecode.__call__
+
+    def counted(self, *args):
+        nonlocal calls
+        calls += 1
+        return native(self, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(FusedDecode, "__call__", counted)
+        fused = generate(llm, prompts)
+    with monkeypatch.context() as m:
+        m.setattr(FusedDecode, "runs", lambda self, x, meta: False)
+        python = generate(llm, prompts)
+    return fused, python, calls
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_native_decode_equals_the_python_layers(tmp_path, vocab, llama, qtype, batch, isa, monkeypatch):  # noqa: F811
+    llm = quantized_llm(write(tmp_path, vocab, "llama", llama, qtype))
+    fused, python, calls = fused_and_python(llm, PROMPTS[:batch], monkeypatch)
+    assert fused == python
+    assert calls > 0
+
+
+def test_qkv_biases_and_a_tied_head(tmp_path, vocab, qwen2, native_kernels, monkeypatch):  # noqa: F811
+    llm = quantized_llm(write(tmp_path, vocab, "qwen2", qwen2, Q.Q4_0))
+    fused, python, calls = fused_and_python(llm, PROMPTS, monkeypatch)
+    assert fused == python and calls > 0
+
+
+def test_dense_and_qk_norm_layers_keep_the_python_forward(tmp_path, native_kernels):
+    make_tiny_model("llama", tmp_path / "llama", seed=1)
+    make_tiny_model("qwen3", tmp_path / "qwen3", seed=2)
+    dense = LLM(str(tmp_path / "llama"), quantization="none", num_kv_blocks=8)
+    assert all(layer.fused_decode is None for layer in dense.engine.runner.model.layers)
+    qwen3 = LLM(str(tmp_path / "qwen3"), quantization="int4", num_kv_blocks=8)
+    assert all(layer.fused_decode is None for layer in qwen3.engine.runner.model.layers)
+
+
+def test_without_native_kernels_the_python_forward_runs(tmp_path, vocab, llama, pytorch_only, monkeypatch):  # noqa: F811
+    llm = LLM(str(write(tmp_path, vocab, "llama", llama, Q.Q4_1)), quantization="auto", num_kv_blocks=16)
+
+    def native(*args):
+        raise AssertionError("the native decode path ran without the native kernels")
+
+    monkeypatch.setattr(FusedDecode, "__call__", native)
+    assert len(generate(llm, PROMPTS[:1])[0][0]) == 12

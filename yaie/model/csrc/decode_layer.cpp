@@ -1,0 +1,95 @@
+// A whole decoder layer for a decoding step, in one call: what DecoderLayer.forward does
+// (yaie/model/llama.py) when every token of the step is a sequence's next token and the four
+// projections hold quantized weights.
+//
+//   h        = add_rms_norm(x, residual, input_norm)         residual += x, in place
+//   q, k, v  = split(h @ qkv_proj^T)                         [rows, heads | kv_heads | kv_heads, dim]
+//   q, k     = rope(q, k)                                    in place
+//   caches  <- k, v                                          at each row's slot
+//   o        = paged_decode_attention(q, caches)             [rows, heads, dim]
+//   h        = add_rms_norm(o @ o_proj^T, residual, post_attention_norm)
+//   gate, up = split(h @ gate_up_proj^T)
+//   return     (silu(gate) * up) @ down_proj^T
+//
+// The steps are the same kernels the Python path calls, in the same order, so the result is the
+// same to the bit. What goes is the Python between them: with weights four to eight times smaller
+// than fp32, a one-token step's ~20 Python-level ops per layer cost as much as its matmuls.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "quant_matmul.h"
+
+namespace {
+
+// The other kernels, found by name in the dispatcher once: their files register them, and the
+// order in which a library's files register is not defined, so not at load time.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> yaie_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// A projection as the layer passes it: [qweight, scales, mins or None, bias or None].
+at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weight, int64_t out_features,
+                   int64_t isa) {
+  TORCH_CHECK(weight.size() == 4, "a projection is [qweight, scales, mins, bias]");
+  const std::optional<at::Tensor> qweight = weight.get(0), scales = weight.get(1);
+  TORCH_CHECK(qweight.has_value() && scales.has_value(), "a projection needs its qweight and scales");
+  return yaie_quant::quant_matmul(x, *qweight, *scales, weight.get(2), weight.get(3), out_features, isa);
+}
+
+at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& input_norm, const at::Tensor& post_attention_norm, double eps,
+                        const c10::List<std::optional<at::Tensor>>& qkv_proj,
+                        const c10::List<std::optional<at::Tensor>>& o_proj,
+                        const c10::List<std::optional<at::Tensor>>& gate_up_proj,
+                        const c10::List<std::optional<at::Tensor>>& down_proj, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t intermediate_size, int64_t isa) {
+  static const auto add_rms_norm =
+      yaie_op<at::Tensor(const at::Tensor&, at::Tensor&, const at::Tensor&, double)>("yaie::add_rms_norm");
+  static const auto apply_rope_ =
+      yaie_op<at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&)>("yaie::apply_rope_");
+  static const auto write_kv =
+      yaie_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&)>(
+          "yaie::write_kv");
+  static const auto paged_decode_attention =
+      yaie_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, double)>("yaie::paged_decode_attention");
+
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, hidden]");
+  const int64_t rows = x.size(0), hidden = x.size(1), head_dim = k_cache.size(3);
+  const int64_t heads = num_heads + 2 * num_kv_heads;
+
+  at::Tensor h = add_rms_norm.call(x, residual, input_norm, eps);
+  at::Tensor qkv = project(h, qkv_proj, heads * head_dim, isa).view({rows, heads, head_dim});
+  at::Tensor qk = qkv.narrow(1, 0, num_heads + num_kv_heads);
+  apply_rope_.call(qk, cos, sin);
+  write_kv.call(qkv.narrow(1, num_heads, num_kv_heads), qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads),
+                slot_mapping, k_cache, v_cache);
+  const at::Tensor o = paged_decode_attention.call(qkv.narrow(1, 0, num_heads), k_cache, v_cache, block_tables,
+                                                   context_lens, std::pow(static_cast<double>(head_dim), -0.5));
+
+  h = add_rms_norm.call(project(o.view({rows, num_heads * head_dim}), o_proj, hidden, isa), residual,
+                        post_attention_norm, eps);
+  const at::Tensor gate_up = project(h, gate_up_proj, 2 * intermediate_size, isa);
+  const at::Tensor act = at::silu(gate_up.narrow(1, 0, intermediate_size))
+                             .mul_(gate_up.narrow(1, intermediate_size, intermediate_size));
+  return project(act, down_proj, hidden, isa);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(yaie, m) {
+  m.def(
+      "decode_layer(Tensor x, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor input_norm, "
+      "Tensor post_attention_norm, float eps, Tensor?[] qkv_proj, Tensor?[] o_proj, Tensor?[] gate_up_proj, "
+      "Tensor?[] down_proj, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor context_lens, int num_heads, int num_kv_heads, int intermediate_size, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(yaie, CPU, m) { m.impl("decode_layer", &decode_layer); }
