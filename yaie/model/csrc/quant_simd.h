@@ -8,8 +8,10 @@
 // which is maddubs + madd on AVX2 and one vpdpbusd with VNNI; everything else is AVX2.
 
 // The four rows' block dot products as 8 int32 lanes: lanes 0-3 the rows' values 0-15, lanes
-// 4-7 their values 16-31 (hadd keeps the 128-bit halves apart). With per-32 scales both halves
-// take the same scale; with per-16 scales (Q6_K) each its own, at no extra cost.
+// 4-7 their values 16-31 (every step stays within its 128-bit half). With per-32 scales both
+// halves take the same scale; with per-16 scales (Q6_K) each its own, at no extra cost. The
+// rows are summed with unpacks and adds rather than hadd, which costs more than the dot products
+// on some x86 cores (AMD's) and no less on the others.
 static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weights) {
   __m256i d[4];
   for (int r = 0; r < 4; ++r) {
@@ -18,7 +20,10 @@ static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weigh
     d[r] = signed_weights ? dot_u8_i8(_mm256_sign_epi8(w[r], w[r]), _mm256_sign_epi8(x, w[r]))
                           : dot_u8_i8(w[r], x);
   }
-  return _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  // Per half: [r0 r1 r0 r1] sums of lanes {0,2} and {1,3}, then of all four lanes per row.
+  const __m256i d01 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[0], d[1]), _mm256_unpackhi_epi32(d[0], d[1]));
+  const __m256i d23 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2], d[3]), _mm256_unpackhi_epi32(d[2], d[3]));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(d01, d23), _mm256_unpackhi_epi64(d01, d23));
 }
 
 // One group of four weight rows against kRows activation rows starting at m: the weights are
