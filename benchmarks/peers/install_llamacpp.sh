@@ -28,7 +28,9 @@ start=$(date +%s)
 sdist="$DL_DIR/llama_cpp_python-$VERSION.tar.gz"
 if [[ ! -f "$sdist" ]]; then
     echo "[install_llamacpp] downloading llama-cpp-python==$VERSION sdist"
-    python -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DL_DIR"
+    # Only this package as source: with `--no-binary :all:` pip also builds its build tools
+    # (CMake among them) from source just to read the metadata, which takes far longer than the build.
+    python -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$DL_DIR"
 fi
 if [[ ! -f "$SRC_DIR/CMakeLists.txt" ]]; then
     echo "[install_llamacpp] unpacking $sdist"

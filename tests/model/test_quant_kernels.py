@@ -120,6 +120,22 @@ def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
     assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
 
 
+# GGUF stores these formats' scales (and Q4_1's mins, Q4_0's -8 d) as float16 values; the
+# K-quants' are products of a float16 and a 6-bit or 8-bit integer, mostly not float16 values.
+SCALES_IN_FLOAT16 = {T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q4_K: False, T.Q6_K: False}
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_scales_are_float16_where_that_is_exact(ggml_type):
+    layer = QuantizedLinear.from_gguf(random_blocks(ggml_type, 11, 512, seed=4), ggml_type, 11, 512)
+    expected = torch.float16 if SCALES_IN_FLOAT16[ggml_type] else torch.float32
+    assert layer.scales.dtype == expected
+    assert layer.mins is None or layer.mins.dtype == expected
+    # Both storage types run in every path (the matmul tests above cover both through TYPES).
+    dense = QuantizedLinear.quantize(torch.randn(8, 256), "int4")
+    assert dense.scales.dtype == torch.float32  # max - min over 15 is rarely a float16 value
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_without_native_kernels_the_dequantized_weights_are_used(ggml_type, pytorch_only):
     raw = random_blocks(ggml_type, 6, 256, seed=2)

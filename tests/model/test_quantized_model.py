@@ -237,13 +237,14 @@ def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch)
 
 
 def test_quantized_weights_take_less_memory(tmp_path, vocab, llama, native_kernels):
-    """Q4_1 keeps 20 bytes per 32 weights (5 bits a weight, scales in float32 add 2 more) where
-    float32 takes 128: the linear layers shrink ~4.5x; the dense embedding table does not."""
+    """Q4_1 keeps 20 bytes per 32 weights (5 bits a weight: its float16 scale and min are kept
+    as they are) where float32 takes 128: the linear layers shrink ~6x (a little less with the
+    row padding); the dense embedding table does not."""
     path = write(tmp_path, vocab, "llama", llama, Q.Q4_1)
     dense, ours = load(path, "none"), load(path, "auto")
     embedding = ours.model.embed_tokens.nbytes
     assert embedding == dense.model.embed_tokens.nbytes
-    assert ours.weight_bytes - embedding < (dense.weight_bytes - embedding) / 3.5
+    assert ours.weight_bytes - embedding < (dense.weight_bytes - embedding) / 5.5
 
 
 def test_engine_reports_quantization(tmp_path, vocab, llama, native_kernels):

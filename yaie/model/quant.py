@@ -3,8 +3,9 @@ or int8 / int4 quantized from a dense weight at load.
 
 Every format is repacked once, here, into one of the two layouts the native kernels stream
 (csrc/quant_common.h): 4-bit values with a scale and a min per 32 (Q4_0, Q4_1, Q4_K, int4) or
-8-bit values with a scale per 32 or per 16 (Q8_0, int8; Q6_K). Scales are kept in float32, so
-every format's dequantized weights are exactly what the `gguf` package computes.
+8-bit values with a scale per 32 or per 16 (Q8_0, int8; Q6_K). Scales and mins are kept in
+float16 where all of a weight's are exactly float16 (Q4_0, Q4_1 and Q8_0 store them so), else
+in float32, so every format's dequantized weights are exactly what the `gguf` package computes.
 
 The matmul quantizes each activation row to int8 blocks of 32 (llama.cpp's Q8_0 / Q8_1) and
 takes integer dot products, in the best ISA path this CPU has (`isa()`; YAIE_QUANT_ISA forces a
@@ -141,7 +142,8 @@ def unpack_gguf(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int,
 
 def pack(unpacked: Unpacked) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Values and scales in row order -> the kernels' layout (csrc/quant_common.h):
-    (qweight [groups, K/32, 64 or 128], scales [groups, K/32, 4 or 8], mins [groups, K/32, 4])."""
+    (qweight [groups, K/32, 64 or 128], scales [groups, K/32, 4 or 8], mins [groups, K/32, 4]);
+    scales and mins in float16 where that is exact, else float32."""
     n, k = unpacked.values.shape
     groups, blocks = -(-n // GROUP_ROWS), k // BLOCK
     pad = groups * GROUP_ROWS - n  # padding rows: zero scales and mins, so zero outputs
@@ -161,11 +163,15 @@ def pack(unpacked: Unpacked) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     per_block = BLOCK // unpacked.block
     # Scales per 16 go as the four rows' first halves, then their second halves.
     scales = grouped(unpacked.scales.astype(np.float32), per_block).transpose(0, 1, 3, 2)
-    return (
-        torch.from_numpy(np.ascontiguousarray(qweight)),
-        torch.from_numpy(np.ascontiguousarray(scales.reshape(groups, blocks, 4 * per_block))),
-        mins,
-    )
+    scales_t = torch.from_numpy(np.ascontiguousarray(scales.reshape(groups, blocks, 4 * per_block)))
+    if _exact_in_float16(scales_t) and (mins is None or _exact_in_float16(mins)):
+        # A one-row matmul is bound by reading memory: a 4-bit weight is then 5 bits a value, not 6.
+        scales_t, mins = scales_t.half(), None if mins is None else mins.half()
+    return torch.from_numpy(np.ascontiguousarray(qweight)), scales_t, mins
+
+
+def _exact_in_float16(values: torch.Tensor) -> bool:
+    return bool(torch.equal(values.half().float(), values))
 
 
 def available_isas() -> tuple[str, ...]:
@@ -259,10 +265,10 @@ class QuantizedLinear(nn.Module):
         if self.mins is not None:
             pairs = self.qweight.view(groups, blocks, 2, 1, BLOCK)
             q = torch.cat([pairs & 0x0F, pairs >> 4], dim=3).view(groups, blocks, GROUP_ROWS, BLOCK).float()
-            w = q * self.scales[..., None] + self.mins[..., None]
+            w = q * self.scales.float()[..., None] + self.mins.float()[..., None]
         else:
             q = self.qweight.view(groups, blocks, GROUP_ROWS, 2, BLOCK // 2).float()
-            halves = self.scales.view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
+            halves = self.scales.float().view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
             w = (q * halves[..., None]).view(groups, blocks, GROUP_ROWS, BLOCK)
         return w.permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, self.in_features)[: self.out_features]
 

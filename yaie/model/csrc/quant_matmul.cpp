@@ -25,6 +25,16 @@
 
 namespace yaie_quant {
 
+namespace {
+
+// Scale or min number i of a weight, whichever type it is stored in (quant_common.h).
+float stored_float(const void* values, int64_t i, bool half) {
+  if (half) return static_cast<float>(c10::Half(static_cast<const uint16_t*>(values)[i], c10::Half::from_bits()));
+  return static_cast<const float*>(values)[i];
+}
+
+}  // namespace
+
 void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                    int64_t ldy) {
   const int64_t bytes = w.bits == 4 ? 64 : 128;
@@ -44,14 +54,14 @@ void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first
                                           : static_cast<int8_t>(qw[r * 32 + i]);
             halves[i / 16] += q * xq[i];
           }
-          const float* scale = w.scales + wb * scales_per_block;
+          const int64_t scale = wb * scales_per_block + r;
           if (w.weight_block == 32) {
-            acc += static_cast<float>(halves[0] + halves[1]) * (scale[r] * x.d[xb]);
+            acc += static_cast<float>(halves[0] + halves[1]) * (stored_float(w.scales, scale, w.half_scales) * x.d[xb]);
           } else {
-            acc += static_cast<float>(halves[0]) * (scale[r] * x.d[xb]);
-            acc += static_cast<float>(halves[1]) * (scale[4 + r] * x.d[xb]);
+            acc += static_cast<float>(halves[0]) * (stored_float(w.scales, scale, w.half_scales) * x.d[xb]);
+            acc += static_cast<float>(halves[1]) * (stored_float(w.scales, scale + 4, w.half_scales) * x.d[xb]);
           }
-          if (w.bits == 4) acc += w.mins[wb * 4 + r] * x.s[xb];
+          if (w.bits == 4) acc += stored_float(w.mins, wb * 4 + r, w.half_scales) * x.s[xb];
         }
         y[m * ldy + g * kGroupRows + r] = acc;
       }
@@ -92,16 +102,17 @@ using namespace yaie_quant;
 bool isa_supported(int64_t isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  // Every SIMD path is AVX2 code at heart, with FMA and F16C (float16 scales).
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   switch (isa) {
     case kScalar:
       return true;
     case kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      return avx2;
     case kAvxVnni:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avxvnni");
+      return avx2 && __builtin_cpu_supports("avxvnni");
     case kAvx512Vnni:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512vnni");
     default:
       return false;
@@ -154,19 +165,20 @@ QuantizedRows quantize_rows(const at::Tensor& x, QuantizeRowFn quantize_row) {
 
 PackedWeights packed_view(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
   TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous(), "qweight must be a contiguous [groups, K/32, bytes]");
-  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
-              "scales must be a contiguous float32 [groups, K/32, 4 or 8]");
+  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "scales must be a contiguous float32 or float16 [groups, K/32, 4 or 8]");
   TORCH_CHECK(scales.size(0) == qweight.size(0) && scales.size(1) == qweight.size(1),
               "scales and qweight disagree on groups or blocks");
-  PackedWeights w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), nullptr,
-                  qweight.size(0), qweight.size(1), 0, 32};
+  PackedWeights w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), nullptr, qweight.size(0),
+                  qweight.size(1), 0, 32, scales.scalar_type() == at::kHalf};
   if (qweight.scalar_type() == at::kByte && qweight.size(2) == 64) {
     w.bits = 4;
     TORCH_CHECK(scales.size(2) == 4, "4-bit weights take one scale per 32 values");
     TORCH_CHECK(mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous() &&
-                    mins->scalar_type() == at::kFloat,
-                "4-bit weights need float32 mins shaped like their scales");
-    w.mins = mins->data_ptr<float>();
+                    mins->scalar_type() == scales.scalar_type(),
+                "4-bit weights need mins shaped and typed like their scales");
+    w.mins = mins->data_ptr();
   } else {
     TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(2) == 128,
                 "qweight must be uint8 [groups, K/32, 64] (4-bit) or int8 [groups, K/32, 128] (8-bit)");
@@ -219,13 +231,16 @@ void dequantize_groups(const PackedWeights& w, int64_t first, int64_t last, floa
       for (int64_t b = 0; b < w.blocks; ++b) {
         const int64_t wb = g * w.blocks + b;
         const uint8_t* qw = w.qweight + wb * bytes;
-        const float* scale = w.scales + wb * scales_per_block;
+        float scale[8];
+        for (int64_t i = 0; i < scales_per_block; ++i) {
+          scale[i] = stored_float(w.scales, wb * scales_per_block + i, w.half_scales);
+        }
         for (int64_t r = 0; r < kGroupRows; ++r) {
           float* o = out + ((g - first) * kGroupRows + r) * k + b * kBlock;
           if (w.bits == 4) {
             const uint8_t* pair = qw + (r / 2) * 32;
             const int shift = 4 * (r % 2);
-            const float min = w.mins[wb * 4 + r];
+            const float min = stored_float(w.mins, wb * 4 + r, w.half_scales);
             for (int64_t i = 0; i < kBlock; ++i) o[i] = scale[r] * static_cast<float>((pair[i] >> shift) & 0x0F) + min;
           } else {
             const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;

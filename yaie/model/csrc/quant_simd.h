@@ -26,16 +26,26 @@ static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weigh
   return _mm256_add_epi32(_mm256_unpacklo_epi64(d01, d23), _mm256_unpackhi_epi64(d01, d23));
 }
 
+// Four or eight scales (or mins) as floats, from float or float16 storage.
+static inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
+static inline __m128 load4(const uint16_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // One group of four weight rows against kRows activation rows starting at m: the weights are
 // unpacked once per block and used for every row, the register blocking of the many-row case.
-template <int kBits, int kWeightBlock, int kRows>
+template <int kBits, int kWeightBlock, int kRows, typename Scale>
 static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
                               int64_t ldy) {
   constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
   constexpr int64_t kScales = kWeightBlock == 32 ? 4 : 8;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
-  const float* scales = w.scales + g * w.blocks * kScales;
-  const float* mins = kBits == 4 ? w.mins + g * w.blocks * 4 : nullptr;
+  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * kScales;
+  const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
 
   __m256 acc[kRows];
@@ -54,12 +64,16 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
         wq[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBytes + 32 * r));
       }
     }
-    const __m256 scale = kWeightBlock == 32
-                             ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scales + b * 4))
-                             : _mm256_loadu_ps(scales + b * 8);
+    __m256 scale;
+    if constexpr (kWeightBlock == 32) {
+      const __m128 four = load4(scales + b * 4);
+      scale = _mm256_set_m128(four, four);
+    } else {
+      scale = load8(scales + b * 8);
+    }
     // The min term is added once per row: in the low half only.
-    const __m256 min = kBits == 4 ? _mm256_insertf128_ps(_mm256_setzero_ps(), _mm_loadu_ps(mins + b * 4), 0)
-                                  : _mm256_setzero_ps();
+    __m256 min = _mm256_setzero_ps();
+    if constexpr (kBits == 4) min = _mm256_insertf128_ps(min, load4(mins + b * 4), 0);
     for (int r = 0; r < kRows; ++r) {
       const int64_t xb = (m + r) * x.blocks + b;
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + xb * kBlock));
@@ -74,23 +88,33 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
   }
 }
 
-template <int kBits, int kWeightBlock>
+template <int kBits, int kWeightBlock, typename Scale>
 static void groups_all_rows(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                             int64_t ldy) {
   for (int64_t g = first; g < last; ++g) {
     int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kWeightBlock, 4>(w, x, g, m, y, ldy);
-    for (; m < x.rows; ++m) group_rows<kBits, kWeightBlock, 1>(w, x, g, m, y, ldy);
+    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kWeightBlock, 4, Scale>(w, x, g, m, y, ldy);
+    for (; m < x.rows; ++m) group_rows<kBits, kWeightBlock, 1, Scale>(w, x, g, m, y, ldy);
+  }
+}
+
+template <typename Scale>
+static void matmul_scaled(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
+                          int64_t ldy) {
+  if (w.bits == 4) {
+    groups_all_rows<4, 32, Scale>(w, x, first, last, y, ldy);
+  } else if (w.weight_block == 32) {
+    groups_all_rows<8, 32, Scale>(w, x, first, last, y, ldy);
+  } else {
+    groups_all_rows<8, 16, Scale>(w, x, first, last, y, ldy);
   }
 }
 
 static void matmul_impl(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                         int64_t ldy) {
-  if (w.bits == 4) {
-    groups_all_rows<4, 32>(w, x, first, last, y, ldy);
-  } else if (w.weight_block == 32) {
-    groups_all_rows<8, 32>(w, x, first, last, y, ldy);
+  if (w.half_scales) {
+    matmul_scaled<uint16_t>(w, x, first, last, y, ldy);
   } else {
-    groups_all_rows<8, 16>(w, x, first, last, y, ldy);
+    matmul_scaled<float>(w, x, first, last, y, ldy);
   }
 }

@@ -9,7 +9,7 @@
 #include "quant_common.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace yaie_quant::avx2 {
 static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   // |u| <= 15 or <= 128 and |s| <= 127 keep maddubs' int16 pair sums from saturating.
@@ -62,7 +62,7 @@ void quantize_row_avx2(const float* x, int64_t blocks, int8_t* q, float* d, floa
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace yaie_quant::avxvnni {
 static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
@@ -72,7 +72,7 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 namespace yaie_quant::avx512vnni {
 // The 256-bit form: the kernel is bound by loading weights, not by the width of the dot products.
 static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
