@@ -268,7 +268,8 @@ class QuantizedLinear(nn.Module):
             w = q * self.scales.float()[..., None] + self.mins.float()[..., None]
         else:
             q = self.qweight.view(groups, blocks, GROUP_ROWS, 2, BLOCK // 2).float()
-            halves = self.scales.float().view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
+            scales = self.scales.float()
+            halves = scales.view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
             w = (q * halves[..., None]).view(groups, blocks, GROUP_ROWS, BLOCK)
         return w.permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, self.in_features)[: self.out_features]
 
