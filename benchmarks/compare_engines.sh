@@ -3,9 +3,11 @@
 #
 # Usage:   benchmarks/compare_engines.sh            (peers installed by benchmarks/peers/install_*.sh)
 # Env:     OUT (default benchmarks/results/compare)  CONC (default 1,8,32)  N (requests per level, 32)
-#          MAX_TOKENS (128)  ENGINES (default "yaie llamacpp vllm")  DENSE (the dense HF copy for vLLM)
-# Each engine serves the bundled SmolLM2-135M-Instruct on loopback: yaie and vLLM in fp32 (the
-# GGUF's Q4_1 weights dequantized), llama.cpp on the Q4_1 GGUF itself. For each engine it runs the
+#          MAX_TOKENS (128)  ENGINES (default "yaie yaie-fp32 llamacpp vllm vllm-bf16")
+#          DENSE (the dense HF copy for vLLM)
+# Each engine serves the bundled SmolLM2-135M-Instruct on loopback (benchmarks/peers/engines.sh
+# names them: yaie as served by default and in fp32, llama.cpp on the Q4_1 GGUF itself, vLLM in
+# fp32 and in bf16, so that every peer is measured at its best here). For each engine it runs the
 # short-prompt set at every concurrency level, then the shared-prefix set (a 1,000-token system
 # prompt + 16 questions, one at a time, after one warm-up request), then stops the server.
 # Afterwards benchmarks/compare_report.py prints the table of ratios and draws the plots.
@@ -16,7 +18,7 @@ OUT=${OUT:-benchmarks/results/compare}
 CONC=${CONC:-1,8,32}
 N=${N:-32}
 MAX_TOKENS=${MAX_TOKENS:-128}
-ENGINES=${ENGINES:-yaie llamacpp vllm}
+ENGINES=${ENGINES:-yaie yaie-fp32 llamacpp vllm vllm-bf16}
 mkdir -p "$OUT"
 # shellcheck source=peers/engines.sh
 source benchmarks/peers/engines.sh

