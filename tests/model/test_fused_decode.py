@@ -1,12 +1,14 @@
 """Decoding steps through csrc/decode_layer.cpp (yaie/model/fused_decode.py) against the layers'
 Python forward: the native op runs the same kernels in the same order, so every token and every
-logprob must be identical to the bit, for one sequence and for a batch, in every ISA path."""
+logprob must be identical to the bit, for one sequence and for a batch, quantized in every ISA
+path and dense."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 from gguf_writer import Q
 from test_quant_kernels import isa  # noqa: F401 (a fixture)
 from test_quantized_model import llama, qwen2, vocab, write  # noqa: F401 (fixtures)
@@ -19,9 +21,9 @@ from yaie.sampling_params import SamplingParams
 PROMPTS = ["the quick brown fox", "hello world, hello", "lazy dog jumps over"]
 
 
-def quantized_llm(path: Path) -> LLM:
+def quantized_llm(path: Path, quantization: str = "auto") -> LLM:
     # No prefix cache: both runs of a comparison compute every prompt token the same way.
-    return LLM(str(path), quantization="auto", num_kv_blocks=16, enable_prefix_caching=False)
+    return LLM(str(path), quantization=quantization, num_kv_blocks=16, enable_prefix_caching=False)
 
 
 def generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
@@ -65,11 +67,16 @@ def test_qkv_biases_and_a_tied_head(tmp_path, vocab, qwen2, native_kernels, monk
     assert fused == python and calls > 0
 
 
-def test_dense_and_qk_norm_layers_keep_the_python_forward(tmp_path, native_kernels):
-    make_tiny_model("llama", tmp_path / "llama", seed=1)
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="dense weights are packed by oneDNN")
+def test_dense_fp32_layers(tmp_path, vocab, llama, native_kernels, monkeypatch):  # noqa: F811
+    llm = quantized_llm(write(tmp_path, vocab, "llama", llama, Q.Q4_1), quantization="none")
+    assert all(layer.fused_decode is not None for layer in llm.engine.runner.model.layers)
+    fused, python, calls = fused_and_python(llm, PROMPTS, monkeypatch)
+    assert fused == python and calls > 0
+
+
+def test_qk_norm_layers_keep_the_python_forward(tmp_path, native_kernels):
     make_tiny_model("qwen3", tmp_path / "qwen3", seed=2)
-    dense = LLM(str(tmp_path / "llama"), quantization="none", num_kv_blocks=8)
-    assert all(layer.fused_decode is None for layer in dense.engine.runner.model.layers)
     qwen3 = LLM(str(tmp_path / "qwen3"), quantization="int4", num_kv_blocks=8)
     assert all(layer.fused_decode is None for layer in qwen3.engine.runner.model.layers)
 

@@ -1,14 +1,14 @@
 """A decoding step through a whole decoder layer in one native call (csrc/decode_layer.cpp).
 
-With weights kept in 4 or 8 bits a one-token step reads little memory, and the ~20 Python-level
-ops each layer makes between its matmuls (norms, views, rope, the cache write, attention, the
-activation) cost as much as the matmuls. The native op runs the same kernels in the same order
-without them, so it changes the speed of a step, never its result.
+A one-token step makes ~20 Python-level ops per layer between and around its matmuls (norms,
+views, rope, the cache write, attention, the activation). With weights kept in 4 or 8 bits they
+cost as much as the matmuls; with fp32 weights, a third as much. The native op runs the same
+kernels in the same order without them, so it changes the speed of a step, never its result.
 
-It applies to a layer whose four projections are QuantizedLinear and that has no q/k norms, in
-float32, and to a step in which every token is a sequence's next one (no prompt or chunk, no
-speculative verification) and there are fewer than the quantized matmul's DEQUANTIZED_FROM_ROWS;
-any other step runs the layer's Python forward.
+It applies to a layer without q/k norms whose four projections are all QuantizedLinear (float32
+activations) or all oneDNN-packed Linear, and to a step in which every token is a sequence's
+next one (no prompt or chunk, no speculative verification) with fewer rows than the quantized
+matmul's DEQUANTIZED_FROM_ROWS; any other step runs the layer's Python forward.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from yaie.model import quant
+from yaie.model import kernels, quant
 from yaie.model.attention import AttentionMetadata
+from yaie.model.layers import Linear
 from yaie.model.quant import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -30,9 +31,19 @@ def _projections(layer: DecoderLayer) -> tuple[torch.nn.Module, ...]:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def _projection(layer: QuantizedLinear) -> list[torch.Tensor | None]:
-    """As the native op takes a projection: [qweight, scales, mins or None, bias or None]."""
-    return [layer.qweight, layer.scales, layer.mins, layer.bias]
+def _projection(layer: torch.nn.Module) -> list[torch.Tensor | None]:
+    """As the native op takes a projection: [qweight, scales, mins or None, bias or None] for a
+    quantized one, [packed weight, bias or None] for a dense one."""
+    if isinstance(layer, QuantizedLinear):
+        return [layer.qweight, layer.scales, layer.mins, layer.bias]
+    assert isinstance(layer, Linear)
+    return [layer.packed, layer.bias]
+
+
+def _covered(projections: tuple[torch.nn.Module, ...], dtype: torch.dtype) -> bool:
+    if all(isinstance(p, QuantizedLinear) for p in projections):
+        return dtype == torch.float32  # the quantized kernels take float32 activations
+    return all(isinstance(p, Linear) and p.packed is not None for p in projections)
 
 
 class FusedDecode:
@@ -43,18 +54,17 @@ class FusedDecode:
         self.input_norm = layer.input_layernorm.weight
         self.post_attention_norm = layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.eps
-        self.projections = [_projection(p) for p in _projections(layer)]  # type: ignore[arg-type]
+        self.projections = [_projection(p) for p in _projections(layer)]
         self.intermediate_size = layer.mlp.intermediate_size
 
     @classmethod
     def for_layer(cls, layer: DecoderLayer) -> FusedDecode | None:
         """A FusedDecode for a DecoderLayer that the native op covers, else None."""
-        quantized = all(isinstance(p, QuantizedLinear) for p in _projections(layer))
+        norm = layer.input_layernorm
         covered = (
-            quantized
+            _covered(_projections(layer), norm.weight.dtype)
             and layer.self_attn.q_norm is None
-            and layer.input_layernorm.weight.dtype == torch.float32
-            and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+            and norm.eps == layer.post_attention_layernorm.eps
         )
         return cls(layer) if covered else None
 
@@ -64,8 +74,7 @@ class FusedDecode:
             not meta.prefills
             and meta.decode_token_idx is None
             and x.shape[0] < quant.DEQUANTIZED_FROM_ROWS
-            and x.device.type == "cpu"
-            and quant.isa() != "none"
+            and kernels.available(x.device)
         )
 
     def __call__(

@@ -1,6 +1,6 @@
 // A whole decoder layer for a decoding step, in one call: what DecoderLayer.forward does
 // (yaie/model/llama.py) when every token of the step is a sequence's next token and the four
-// projections hold quantized weights.
+// projections hold quantized weights or oneDNN-packed dense ones.
 //
 //   h        = add_rms_norm(x, residual, input_norm)         residual += x, in place
 //   q, k, v  = split(h @ qkv_proj^T)                         [rows, heads | kv_heads | kv_heads, dim]
@@ -12,8 +12,9 @@
 //   return     (silu(gate) * up) @ down_proj^T
 //
 // The steps are the same kernels the Python path calls, in the same order, so the result is the
-// same to the bit. What goes is the Python between them: with weights four to eight times smaller
-// than fp32, a one-token step's ~20 Python-level ops per layer cost as much as its matmuls.
+// same to the bit. What goes is the Python between them: a one-token step makes ~20 Python-level
+// ops per layer, and with weights four to eight times smaller than fp32 they cost as much as its
+// matmuls (with fp32 weights, a third as much).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,20 +26,31 @@
 
 namespace {
 
-// The other kernels, found by name in the dispatcher once: their files register them, and the
-// order in which a library's files register is not defined, so not at load time.
+// The other kernels, found by name in the dispatcher on first use: the order in which a
+// library's files register their ops is not defined, so not at load time.
 template <typename Signature>
-c10::TypedOperatorHandle<Signature> yaie_op(const char* name) {
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// A projection as the layer passes it: [qweight, scales, mins or None, bias or None].
+// A projection as the layer passes it: quantized, [qweight, scales, mins or None, bias or None]
+// (yaie/model/quant.py); dense, [oneDNN-packed weight, bias or None] (yaie/model/layers.py).
 at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weight, int64_t out_features,
                    int64_t isa) {
-  TORCH_CHECK(weight.size() == 4, "a projection is [qweight, scales, mins, bias]");
-  const std::optional<at::Tensor> qweight = weight.get(0), scales = weight.get(1);
-  TORCH_CHECK(qweight.has_value() && scales.has_value(), "a projection needs its qweight and scales");
-  return yaie_quant::quant_matmul(x, *qweight, *scales, weight.get(2), weight.get(3), out_features, isa);
+  TORCH_CHECK(weight.size() == 4 || weight.size() == 2,
+              "a projection is [qweight, scales, mins, bias] or [packed weight, bias]");
+  const std::optional<at::Tensor> first = weight.get(0);
+  TORCH_CHECK(first.has_value(), "a projection needs its weight");
+  if (weight.size() == 2) {
+    static const auto linear =
+        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                           c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>(
+            "mkldnn::_linear_pointwise");
+    return linear.call(x, *first, weight.get(1), "none", c10::List<std::optional<c10::Scalar>>(), "");
+  }
+  const std::optional<at::Tensor> scales = weight.get(1);
+  TORCH_CHECK(scales.has_value(), "a quantized projection needs its scales");
+  return yaie_quant::quant_matmul(x, *first, *scales, weight.get(2), weight.get(3), out_features, isa);
 }
 
 at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
@@ -51,17 +63,17 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t intermediate_size, int64_t isa) {
   static const auto add_rms_norm =
-      yaie_op<at::Tensor(const at::Tensor&, at::Tensor&, const at::Tensor&, double)>("yaie::add_rms_norm");
+      find_op<at::Tensor(const at::Tensor&, at::Tensor&, const at::Tensor&, double)>("yaie::add_rms_norm");
   static const auto apply_rope_ =
-      yaie_op<at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&)>("yaie::apply_rope_");
+      find_op<at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&)>("yaie::apply_rope_");
   static const auto write_kv =
-      yaie_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&)>(
+      find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&)>(
           "yaie::write_kv");
   static const auto paged_decode_attention =
-      yaie_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, double)>("yaie::paged_decode_attention");
 
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, hidden]");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1), head_dim = k_cache.size(3);
   const int64_t heads = num_heads + 2 * num_kv_heads;
 
@@ -93,3 +105,5 @@ TORCH_LIBRARY_FRAGMENT(yaie, m) {
 }
 
 TORCH_LIBRARY_IMPL(yaie, CPU, m) { m.impl("decode_layer", &decode_layer); }
+// oneDNN-packed weights are tensors of the MkldnnCPU backend, which the dispatcher picks first.
+TORCH_LIBRARY_IMPL(yaie, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }
