@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import yaie
-from yaie.config import QUANTIZATIONS, EngineConfig
+from yaie.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.engine import Engine
 from yaie.errors import InvalidRequestError, YaieError
@@ -105,6 +105,12 @@ def _add_engine_args(add: Any) -> None:
         choices=QUANTIZATIONS,
         help="none: dequantize to --dtype; auto: GGUF weights run as stored; int8, int4: quantize at load",
     )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores; auto: --dtype. 16 bits hold twice the tokens in the same memory",
+    )
     add("--max-model-len", type=_positive_int, help="context length (default: the model's)")
     add("--num-kv-blocks", type=_positive_int, help="KV cache blocks (overrides --kv-cache-memory)")
     add(
@@ -124,6 +130,7 @@ def _engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,

@@ -7,6 +7,9 @@ from typing import Any
 
 # How linear layers hold their weights (yaie/model/quantization.py).
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
+# What the KV cache stores; auto: the model's compute dtype. A 16-bit cache holds twice the
+# tokens in the same memory; attention still computes in the compute dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -25,6 +28,7 @@ class EngineConfig:
     # none: dequantize to dtype; auto: a GGUF file's linear layers as stored; int8/int4 at load.
     # "none" until the quantized path is benchmarked: it keeps exact transformers parity.
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 4};
     # see yaie.spec.config.SpeculativeConfig. None: off.
     speculative_config: dict[str, Any] | None = None
@@ -39,3 +43,6 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             choices = ", ".join(QUANTIZATIONS)
             raise ValueError(f"quantization must be one of {choices}; got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {choices}; got {self.kv_cache_dtype!r}")

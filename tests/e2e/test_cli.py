@@ -59,6 +59,16 @@ def test_quantization_flag(monkeypatch: pytest.MonkeyPatch) -> None:
         build_parser().parse_args(["serve", "--quantization", "fp8"])
 
 
+def test_kv_cache_dtype_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build_parser().parse_args(["serve"]).kv_cache_dtype == "auto"
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "bfloat16"])
+    assert args.kv_cache_dtype == "bfloat16"
+    monkeypatch.setenv("YAIE_KV_CACHE_DTYPE", "float16")
+    assert build_parser().parse_args(["serve"]).kv_cache_dtype == "float16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--kv-cache-dtype", "fp8"])
+
+
 @pytest.mark.slow
 def test_generate_streams_a_completion(llm: LLM) -> None:
     prompt = "The capital of France is"

@@ -27,6 +27,7 @@ def test_health_and_version(server: Server) -> None:
         version = http.get("/version").json()
         assert version["version"] and version["weight_bytes"] > 0
         assert {"quantization", "kernel_isa"} <= version.keys()
+        assert version["kv_cache_dtype"] == "float32"  # auto: the fp32 model's own dtype
 
 
 def test_chat_response_shape(server: Server) -> None:

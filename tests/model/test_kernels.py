@@ -1,7 +1,8 @@
 """The native CPU kernels against plain PyTorch: decode attention over the paged KV cache (and
 the PyTorch path that replaces it) against attention over each sequence's keys laid out densely;
 the fused residual add + RMSNorm, the in-place RoPE and the KV write against the ops they replace;
-a prompt chunk after cached tokens, both ways it is computed, against textbook attention."""
+a prompt chunk after cached tokens, both ways it is computed, against textbook attention. Every
+path that touches the cache runs with each KV cache dtype."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from yaie.model import kernels
 from yaie.model.attention import (
     AttentionMetadata,
+    PrefillSeq,
     _attend_after_cache,
     _attend_after_cache_masked,
     paged_attention,
@@ -18,6 +20,7 @@ from yaie.model.attention import (
 from yaie.model.layers import RotaryEmbedding, rope_inv_freq
 
 NUM_BLOCKS = 64
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def dense_reference(q, k_cache, v_cache, tables, lens):
@@ -56,14 +59,19 @@ CASES = [
     (5, 8, 2, 128, 32, 700),  # head_dim 128, wider blocks
     (4, 6, 1, 16, 1, 40),  # block size 1, one KV head (MQA)
     (2, 4, 2, 8, 4, 64),  # context exactly filling its blocks
+    (3, 6, 3, 12, 8, 50),  # a token's row of 36 values: not a multiple of the SIMD width
 ]
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("path", ["native", "pytorch"])
-def test_decode_attention_matches_dense_attention(case, path, request):
+def test_decode_attention_matches_dense_attention(case, path, kv_dtype, request):
+    """An fp32 query over a cache of each dtype. The reference reads the same stored values, and
+    both paths widen them to fp32 before any maths, so the bound is fp32's whatever the cache."""
     request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
     q, k_cache, v_cache, tables, lens = make_case(*case, dtype=torch.float32)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long),
         prefills=[],
@@ -72,14 +80,17 @@ def test_decode_attention_matches_dense_attention(case, path, request):
     )
     empty = q.new_empty(0, k_cache.shape[2], q.shape[-1])
     out = paged_attention(q, empty, empty, k_cache, v_cache, meta)
+    assert out.dtype == q.dtype
     torch.testing.assert_close(
         out.double(), dense_reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=0
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_native_kernel_in_half_precision(dtype, native_kernels):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_native_kernel_in_half_precision(dtype, kv_dtype, native_kernels):
     q, k_cache, v_cache, tables, lens = make_case(4, 9, 3, 64, 16, 600, dtype)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 64**-0.5)
     assert out.dtype == dtype
     expected = dense_reference(q, k_cache, v_cache, tables, lens)
@@ -130,16 +141,20 @@ def test_rope_in_place_matches_pytorch_rope(tokens, dtype, native_kernels):
     assert not torch.equal(x.float(), untouched)
 
 
-def test_write_kv_matches_index_copy(native_kernels):
-    k, v = strided_heads(7, 3, 16, torch.float32), strided_heads(7, 3, 16, torch.float32) + 1
-    k_cache, v_cache = torch.zeros(2, NUM_BLOCKS, 4, 3, 16)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [16, 13])  # 3 x 13 values a token: an odd row
+def test_write_kv_matches_index_copy(head_dim, dtype, kv_dtype, native_kernels):
+    """Into a cache of another dtype, each value is rounded exactly as `Tensor.to` rounds it."""
+    k, v = strided_heads(7, 3, head_dim, dtype), strided_heads(7, 3, head_dim, dtype) + 1
+    k_cache, v_cache = torch.zeros(2, NUM_BLOCKS, 4, 3, head_dim, dtype=kv_dtype)
     slots = torch.tensor([5, 0, 255, 17, 18, 100, 3])
     kernels.write_kv(k, v, slots, k_cache, v_cache)
-    expected_k, expected_v = torch.zeros(2, NUM_BLOCKS * 4, 3, 16)
-    expected_k.index_copy_(0, slots, k)
-    expected_v.index_copy_(0, slots, v)
-    torch.testing.assert_close(k_cache.view(-1, 3, 16), expected_k, atol=0, rtol=0)
-    torch.testing.assert_close(v_cache.view(-1, 3, 16), expected_v, atol=0, rtol=0)
+    expected_k, expected_v = torch.zeros(2, NUM_BLOCKS * 4, 3, head_dim, dtype=kv_dtype)
+    expected_k.index_copy_(0, slots, k.to(kv_dtype))
+    expected_v.index_copy_(0, slots, v.to(kv_dtype))
+    torch.testing.assert_close(k_cache.view(-1, 3, head_dim), expected_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.view(-1, 3, head_dim), expected_v, atol=0, rtol=0)
 
 
 def test_write_kv_refuses_a_slot_outside_the_cache(native_kernels):
@@ -180,6 +195,44 @@ def test_chunk_after_cache_attends_to_the_cache_and_causally_to_itself(attend, n
     visible = torch.arange(num_cached + n) <= torch.arange(num_cached, num_cached + n).unsqueeze(1)
     expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v64
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+def test_prompt_chunk_after_cached_tokens_reads_the_cache_in_its_dtype(path, kv_dtype, request):
+    """A chunk of 11 fp32 tokens after 37 cached ones: it writes its own K/V into the cache
+    (rounded to the cache's dtype) and attends to the cached tokens as stored, widened to fp32,
+    and to its own at full precision. The maths is fp32, so the bound is fp32's."""
+    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
+    gen = torch.Generator().manual_seed(3)
+    num_cached, n, heads, kv_heads, dim, block_size = 37, 11, 6, 2, 12, 8
+    keys, values = torch.randn(2, num_cached + n, kv_heads, dim, generator=gen)
+    q = torch.randn(n, heads, dim, generator=gen)
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[: -(-(num_cached + n) // block_size)]
+    positions = torch.arange(num_cached + n)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    k_cache, v_cache = torch.zeros(2, NUM_BLOCKS, block_size, kv_heads, dim, dtype=kv_dtype)
+    # The earlier tokens, as the steps that computed them left them.
+    k_cache.view(-1, kv_heads, dim)[slots[:num_cached]] = keys[:num_cached].to(kv_dtype)
+    v_cache.view(-1, kv_heads, dim)[slots[:num_cached]] = values[:num_cached].to(kv_dtype)
+    cached_blocks = table[: -(-num_cached // block_size)]
+    meta = AttentionMetadata(
+        slot_mapping=slots[num_cached:],
+        prefills=[PrefillSeq(0, n, num_cached=num_cached, block_table=cached_blocks)],
+    )
+    out = paged_attention(q, keys[num_cached:], values[num_cached:], k_cache, v_cache, meta)
+
+    assert out.dtype == torch.float32
+    seen_k = torch.cat((keys[:num_cached].to(kv_dtype).double(), keys[num_cached:].double()))
+    seen_v = torch.cat((values[:num_cached].to(kv_dtype).double(), values[num_cached:].double()))
+    seen_k, seen_v = (x.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for x in (seen_k, seen_v))
+    scores = q.double().transpose(0, 1) @ seen_k.transpose(-1, -2) / dim**0.5  # [heads, n, keys]
+    visible = positions <= torch.arange(num_cached, num_cached + n).unsqueeze(1)
+    expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ seen_v).transpose(0, 1)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    written = slots[num_cached:]
+    assert torch.equal(k_cache.view(-1, kv_heads, dim)[written], keys[num_cached:].to(kv_dtype))
+    assert torch.equal(v_cache.view(-1, kv_heads, dim)[written], values[num_cached:].to(kv_dtype))
 
 
 # --- the build cache key ---------------------------------------------------------------------------

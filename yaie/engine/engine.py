@@ -91,6 +91,7 @@ class ModelInfo:
     quantization: str  # the types the linear layers run in ("Q4_1, Q8_0", "int8"); "none": all dense
     kernel_isa: str  # the quantized kernels' ISA path (avx512vnni ... scalar); "none" if unused
     weight_bytes: int  # resident weight bytes
+    kv_cache_dtype: str  # what the KV cache stores: "float32", "bfloat16", "float16"
 
 
 def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -105,6 +106,14 @@ def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, tor
     if dtype not in names:
         raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
     return dev, names[dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for a KV_CACHE_DTYPES name (EngineConfig checked it): "auto" is
+    `dtype`, the model's compute dtype."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[kv_cache_dtype]
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
@@ -133,7 +142,8 @@ class Engine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
 
-        block_bytes = ModelRunner.bytes_per_block(loaded.model, config.block_size, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        block_bytes = ModelRunner.bytes_per_block(loaded.model, config.block_size, self.kv_dtype)
         num_blocks = (
             config.num_kv_blocks
             or (config.kv_cache_memory or default_kv_cache_memory(self.device)) // block_bytes
@@ -146,8 +156,13 @@ class Engine:
         self.model_info = ModelInfo(
             loaded.path, self.model_config.architecture, self.max_model_len, self.model_config.vocab_size,
             loaded.quantization, loaded.kernel_isa, loaded.weight_bytes,
+            str(self.kv_dtype).removeprefix("torch."),
         )  # fmt: skip
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.dtype)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.kv_dtype)
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s, %.1f MiB",
+            num_blocks, config.block_size, self.model_info.kv_cache_dtype, num_blocks * block_bytes / 2**20,
+        )  # fmt: skip
         self.block_pool = BlockPool(num_blocks)
         prefix_cache = None
         if config.enable_prefix_caching:

@@ -32,7 +32,8 @@ class _Inputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """`kv_dtype`: what the cache stores; attention converts to and from the model's dtype."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -40,15 +41,15 @@ class ModelRunner:
         # One tensor for the whole cache: [layers, K/V, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=dtype, device=self.device,
+            dtype=kv_dtype, device=self.device,
         )  # fmt: skip
         for layer, kv in zip(model.layers, self.kv_cache, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
 
     @staticmethod
-    def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
         cfg = model.config
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=kv_dtype).element_size()
         return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     @torch.inference_mode()

@@ -9,6 +9,9 @@ sequence's blocks and scaled_dot_product_attention.
 Cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
 Token t of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`;
 its flat "slot" is block * block_size + offset.
+
+The cache may store a narrower dtype than the model computes in (--kv-cache-dtype bfloat16 under
+an fp32 model): K/V are rounded to it when written, and widened back to q's dtype when read.
 """
 
 from __future__ import annotations
@@ -80,8 +83,8 @@ def paged_attention(
     if kernels.available(k.device):
         kernels.write_kv(k, v, meta.slot_mapping, k_cache, v_cache)
     else:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
 
@@ -94,8 +97,8 @@ def paged_attention(
         if seq.num_cached == 0:  # the whole context is in this batch: plain causal attention
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            cached_k = _gather(k_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0)
-            cached_v = _gather(v_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0)
+            cached_k = _gather(k_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0).to(q.dtype)
+            cached_v = _gather(v_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0).to(q.dtype)
             o = _attend_after_cache(qs, cached_k, cached_v, ks, vs)
         out[rows] = o[0].transpose(0, 1)
 
@@ -153,8 +156,8 @@ def _decode(
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     if kernels.available(q.device):
         return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
-    kd = _gather(k_cache, tables)  # [decodes, kv_heads, max_blocks * block_size, head_dim]
-    vd = _gather(v_cache, tables)
+    kd = _gather(k_cache, tables).to(q.dtype)  # [decodes, kv_heads, max_blocks * block_size, head_dim]
+    vd = _gather(v_cache, tables).to(q.dtype)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         kd,

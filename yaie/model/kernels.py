@@ -96,9 +96,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence over its paged K/V: q [seqs, heads, dim] -> [seqs, heads, dim].
-    Caches are [blocks, block_size, kv_heads, dim]; block_tables [seqs, max_blocks] and
-    context_lens [seqs] are int64. Call only after `load()` returned True."""
+    """One query token per sequence over its paged K/V: q [seqs, heads, dim] -> [seqs, heads, dim],
+    in q's dtype. Caches are [blocks, block_size, kv_heads, dim], in q's dtype or another float
+    dtype (the maths is fp32 either way); block_tables [seqs, max_blocks] and context_lens [seqs]
+    are int64. Call only after `load()` returned True."""
     return torch.ops.yaie.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -115,5 +116,6 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> None:
-    """Copy each token's k and v heads [tokens, kv_heads, head_dim] into its cache slot."""
+    """Copy each token's k and v heads [tokens, kv_heads, head_dim] into its cache slot, converted
+    to the caches' dtype (rounding to nearest, as `Tensor.to` does)."""
     torch.ops.yaie.write_kv(k, v, slot_mapping, k_cache, v_cache)

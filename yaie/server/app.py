@@ -555,13 +555,14 @@ class OpenAIServer:
         return Response(status_code=200)
 
     async def version(self) -> dict[str, str | int]:
-        """yaie's version (vLLM's field), and what the weights run as."""
+        """yaie's version (vLLM's field), what the weights run as and what the KV cache stores."""
         info = self.engine.model_info
         return {
             "version": yaie.__version__,
             "quantization": info.quantization,
             "kernel_isa": info.kernel_isa,
             "weight_bytes": info.weight_bytes,
+            "kv_cache_dtype": info.kv_cache_dtype,
         }
 
     async def prometheus_metrics(self) -> Response:

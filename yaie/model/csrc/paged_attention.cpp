@@ -13,6 +13,10 @@
 //   then the splits of a sequence are merged with their maxima and sums (the "flash-decoding"
 //   combine), so one long sequence still keeps every thread busy.
 //
+// The cache may be fp32, bf16 or fp16, independently of q's dtype (--kv-cache-dtype): a 16-bit
+// cache row is widened to fp32 once as it is read, and all the maths is fp32. An fp32 cache is
+// read in place, with no copy.
+//
 // Built by yaie/model/kernels.py with -O3 -march=native -ffast-math. Fast-math lets GCC vectorize
 // expf through glibc's vector math library; it is safe here because the kernel never produces
 // infinities or NaNs: it only visits real context tokens (no -inf masking), and every
@@ -25,7 +29,14 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -37,36 +48,74 @@ struct Shapes {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
+// A cache row of n values as fp32: an fp32 row is itself; others are widened into buf.
+template <typename C>
+const float* widen(const C* row, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+  return buf;
+}
+
+inline const float* widen(const float* row, int64_t, float*) { return row; }
+
+inline const float* widen(const c10::BFloat16* row, int64_t n, float* buf) {
+  // bf16 is the top half of an fp32: a shift, which the compiler vectorizes.
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(buf + i, &word, sizeof(float));
+  }
+  return buf;
+}
+
+inline const float* widen(const c10::Half* row, int64_t n, float* buf) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  // c10::Half converts one value at a time; F16C's vcvtph2ps does eight.
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(half8));
+  }
+#endif
+  for (; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+  return buf;
+}
+
 // One split of one sequence, all heads: writes the unnormalised output of every query head to
 // acc [heads, head_dim], and each head's score maximum and exp-sum to max_out / sum_out [heads].
 // Blocks are read whole and in order (a block holds every KV head of its tokens), K once, V once.
-template <typename T>
-void attend_split(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
+// Q is q's element type, C the cache's.
+template <typename Q, typename C>
+void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t* block_table,
                   int64_t begin, int64_t end, float scale, const Shapes& s, float* acc,
                   float* max_out, float* sum_out) {
   const int64_t H = s.num_heads, G = s.group(), D = s.head_dim, n = end - begin;
   const int64_t token_stride = s.num_kv_heads * D;  // one token's row: [kv_heads, dim]
   std::vector<float> qf(H * D), scores(H * n);
+  std::vector<float> row_buf(std::is_same_v<C, float> ? 0 : token_stride);
   for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
-  // Calls visit(i, row) for the tokens begin..end-1, one block at a time; i counts from 0.
-  auto for_each_token = [&](const T* cache, auto&& visit) {
+  // Calls visit(i, row) for the tokens begin..end-1, one block at a time, with each token's row
+  // as fp32; i counts from 0.
+  auto for_each_token = [&](const C* cache, auto&& visit) {
     for (int64_t t = begin; t < end;) {
       const int64_t offset = t % s.block_size, count = std::min(s.block_size - offset, end - t);
-      const T* row = cache + (block_table[t / s.block_size] * s.block_size + offset) * token_stride;
-      for (int64_t j = 0; j < count; ++j, row += token_stride) visit(t - begin + j, row);
+      const C* row = cache + (block_table[t / s.block_size] * s.block_size + offset) * token_stride;
+      for (int64_t j = 0; j < count; ++j, row += token_stride) {
+        visit(t - begin + j, widen(row, token_stride, row_buf.data()));
+      }
       t += count;
     }
   };
 
-  for_each_token(k_cache, [&](int64_t i, const T* k_row) {
+  for_each_token(k_cache, [&](int64_t i, const float* k_row) {
     for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
-      const T* k = k_row + kv * D;
+      const float* k = k_row + kv * D;
       for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
         const float* qh = qf.data() + h * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(k[d]);
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
         scores[h * n + i] = dot;
       }
     }
@@ -87,20 +136,20 @@ void attend_split(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   }
 
   std::fill(acc, acc + H * D, 0.f);
-  for_each_token(v_cache, [&](int64_t i, const T* v_row) {
+  for_each_token(v_cache, [&](int64_t i, const float* v_row) {
     for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
-      const T* v = v_row + kv * D;
+      const float* v = v_row + kv * D;
       for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
         const float p = scores[h * n + i];
         float* ah = acc + h * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(v[d]);
+        for (int64_t d = 0; d < D; ++d) ah[d] += p * v[d];
       }
     }
   });
 }
 
-template <typename T>
+template <typename Q, typename C>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
                       const Shapes& s, at::Tensor& out) {
@@ -111,12 +160,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t item_floats = H * D + 2 * H;
   std::vector<float> partial(items * item_floats);
 
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const Q* q_ptr = q.data_ptr<Q>();
+  const C* k_ptr = k_cache.data_ptr<C>();
+  const C* v_ptr = v_cache.data_ptr<C>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
+  Q* out_ptr = out.data_ptr<Q>();
 
   at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
@@ -127,7 +176,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         std::fill(part, part + item_floats, 0.f);
         continue;
       }
-      attend_split<T>(q_ptr + seq * q.stride(0), k_ptr, v_ptr, tables + seq * s.max_blocks, begin, end,
+      attend_split<Q, C>(q_ptr + seq * q.stride(0), k_ptr, v_ptr, tables + seq * s.max_blocks, begin, end,
                       scale, s, part, part + H * D, part + H * D + H);
     }
   });
@@ -153,8 +202,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           total += w * sum;
           for (int64_t d = 0; d < D; ++d) o[d] += w * part[h * D + d];
         }
-        T* dst = out_ptr + (seq * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / total);
+        Q* dst = out_ptr + (seq * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(o[d] / total);
       }
     }
   });
@@ -167,8 +216,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query's heads must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache differ in dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "tables must be contiguous");
@@ -188,7 +236,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
   at::Tensor out = at::empty({s.num_seqs, s.num_heads, s.head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale), s, out);
+    using q_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_attention", [&] {
+      decode_attention<q_t, scalar_t>(q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale), s,
+                                      out);
+    });
   });
   return out;
 }

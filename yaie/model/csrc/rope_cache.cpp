@@ -3,7 +3,8 @@
 //   apply_rope_   rotate the q and k heads in place by their positions' cos/sin tables (the
 //                 full-width tables RotaryEmbedding makes: cos = [c, c], sin = [-s, s], so
 //                 x' = x * cos + swap_halves(x) * sin);
-//   write_kv      copy each new token's k and v heads into its cache slot.
+//   write_kv      copy each new token's k and v heads into its cache slot, rounded to the
+//                 cache's dtype where it is narrower (--kv-cache-dtype).
 //
 // In PyTorch these are five dispatches (chunk, mul, cat, addcmul, two index_copy_) per layer;
 // at decode batch sizes the dispatching costs more than the arithmetic.
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -46,6 +48,30 @@ void rope_rows(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t 
   });
 }
 
+// Each token t's row of k and v heads [kv_heads * head_dim] into its cache slot; S is the
+// source's element type, C the cache's.
+template <typename S, typename C>
+void copy_rows(const S* k, const S* v, int64_t k_stride, int64_t v_stride, const int64_t* slots, int64_t tokens,
+               int64_t row, C* k_cache, C* v_cache) {
+  // One copy of a row: a memcpy when the types agree, else a conversion rounding to nearest even
+  // (as torch's .to() does).
+  auto copy = [row](const S* src, C* dst) {
+    if constexpr (std::is_same_v<S, C>) {
+      std::memcpy(dst, src, row * sizeof(C));
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < row; ++i) dst[i] = static_cast<C>(static_cast<float>(src[i]));
+    }
+  };
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kGrainElements * 4 / row_bytes), [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      copy(k + t * k_stride, k_cache + slots[t] * row);
+      copy(v + t * v_stride, v_cache + slots[t] * row);
+    }
+  });
+}
+
 at::Tensor& apply_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_heads(x, "x");
   const int64_t tokens = x.size(0), D = x.size(2);
@@ -70,27 +96,22 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_m
               "caches must be contiguous and alike");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
               "caches must be [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-              "k, v and the caches must share a dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k and v must share a dtype, and so must the caches");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == k.size(0),
               "slot_mapping must be int64 [tokens]");
   const int64_t tokens = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
   }
-  const char* k_src = static_cast<const char*>(k.data_ptr());
-  const char* v_src = static_cast<const char*>(v.data_ptr());
-  char* k_dst = static_cast<char*>(k_cache.data_ptr());
-  char* v_dst = static_cast<char*>(v_cache.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  at::parallel_for(0, tokens, std::max<int64_t>(1, kGrainElements * 4 / row_bytes), [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      std::memcpy(k_dst + slots[t] * row_bytes, k_src + t * k_stride, row_bytes);
-      std::memcpy(v_dst + slots[t] * row_bytes, v_src + t * v_stride, row_bytes);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    using src_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "write_kv", [&] {
+      copy_rows<src_t, scalar_t>(k.data_ptr<src_t>(), v.data_ptr<src_t>(), k.stride(0), v.stride(0), slots, tokens,
+                                 k.size(1) * k.size(2), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    });
   });
 }
 
