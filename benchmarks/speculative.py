@@ -11,7 +11,11 @@ quotes or edits a text given in the prompt, where n-gram lookup should shine) an
 questions). Reported per config, set and client count: aggregate tok/s off and on, their ratio
 (read the ratios, not absolute figures, on shared machines), the acceptance rate and the mean
 accepted length (tokens per verifying step). Speculation is forced on at every batch size here
-(disable_by_batch_size is set to the client count) so that the curve shows where it stops paying.
+(disable_by_batch_size is set to the largest client count) so that the curve shows where it
+stops paying.
+
+`self` drafts with the model's quantized twin for the target run unquantized (both engines
+here run quantization "none"), e.g. --configs '{"method": "self", "num_speculative_tokens": 4}'.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -67,12 +72,12 @@ def main() -> None:
     plain = LLM(args.model, enable_prefix_caching=False)
     for raw in args.configs:
         config = json.loads(raw)
+        spec = LLM(
+            args.model,
+            enable_prefix_caching=False,
+            speculative_config={**config, "disable_by_batch_size": max(args.clients)},
+        )
         for clients in args.clients:
-            spec = LLM(
-                args.model,
-                enable_prefix_caching=False,
-                speculative_config={**config, "disable_by_batch_size": clients},
-            )
             for name, prompt_set in (("grounded", GROUNDED), ("chat", CHAT)):
                 prompts = [prompt_set[i % len(prompt_set)] for i in range(clients)]
                 run(plain, prompts, 8), run(spec, prompts, 8)  # warm-up
@@ -109,8 +114,9 @@ def main() -> None:
                     f"acceptance {row['acceptance_rate']:.2f}  "
                     f"mean length {row['mean_accepted_length']:.2f}  identical={same}"
                 )
+        del spec  # its KV cache (and a draft's) goes before the next config's engine takes one
     if args.out:
-        write_report(args.out, {"results": results}, console)
+        write_report(args.out, {"args": sys.argv[1:], "results": results}, console)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ ALWAYS = {"disable_by_batch_size": 1024, "min_acceptance_rate": 0.0}
     [
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, **ALWAYS},
         {"method": "draft_model", "model": str(bundled_model_path()), "num_speculative_tokens": 3, **ALWAYS},
+        # The Q4_1 file run in float32, its stored Q4_1 weights drafting.
+        {"method": "self", "num_speculative_tokens": 4, **ALWAYS},
     ],
-    ids=["ngram", "draft_model"],
+    ids=["ngram", "draft_model", "self"],
 )
 def test_greedy_reference_with_speculation(spec: dict) -> None:
     llm = LLM(num_kv_blocks=512, speculative_config=spec)

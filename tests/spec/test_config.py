@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from yaie import LLM
 from yaie.model.loader import bundled_model_path
 from yaie.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from yaie.spec.proposers import NgramProposer, TargetInfo, check_same_vocabulary
+from yaie.spec.proposers import NgramProposer, TargetInfo, TargetModel, check_same_vocabulary
 
 
 def test_unknown_method_lists_the_methods() -> None:
-    with pytest.raises(ValueError, match=r"unknown method 'eagle'.*draft_model, ngram"):
+    with pytest.raises(ValueError, match=r"unknown method 'eagle'.*draft_model, ngram, self"):
         SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
 
 
@@ -51,7 +53,8 @@ def test_refused_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None
 
 def _target(vocab: dict[str, int]) -> TargetInfo:
     tokenizer = SimpleNamespace(get_vocab=lambda: vocab)
-    return TargetInfo(len(vocab), tokenizer, None, None, 16, 8, 64, frozenset())  # type: ignore[arg-type]
+    model = TargetModel(Path("target"), "none", torch.device("cpu"))
+    return TargetInfo(len(vocab), tokenizer, None, None, 16, 8, 64, frozenset(), model)  # type: ignore[arg-type]
 
 
 def test_a_draft_with_another_vocabulary_is_refused() -> None:

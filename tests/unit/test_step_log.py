@@ -27,14 +27,21 @@ def add(scheduler: Scheduler, log: StepLog, name: str, prompt_len: int, first_to
     return seq
 
 
-def step(scheduler: Scheduler, log: StepLog) -> None:
-    """One engine step as Engine.step orders it, with the runner and sampler played by hand."""
+def step(scheduler: Scheduler, log: StepLog, draft: list[int] | None = None, kept: int = 0) -> None:
+    """One engine step as Engine.step orders it, with the runner and sampler played by hand:
+    each decoding sequence verifies `draft`, keeps its first `kept` tokens, then samples 7."""
     started = time.perf_counter()
     batch = scheduler.schedule()
-    for seq in batch.sampling_seqs:
-        seq.append_token(7)
+    for item in batch.scheduled:
+        if draft and item.samples and item.num_new_tokens == 1:
+            scheduler.add_lookahead(batch, item, draft)
+    for item in batch.scheduled:
+        if item.samples:
+            for token in [*item.spec_token_ids[:kept], 7]:
+                item.seq.append_token(token)
+    generated = sum(item.num_generated_tokens() for item in batch.scheduled)
     scheduler.update(batch)
-    log.record(batch, started, scheduler)
+    log.record(batch, generated, started, scheduler)
 
 
 def total(log: StepLog, field: str) -> float:
@@ -68,6 +75,18 @@ def test_steps_split_into_prefill_and_decode_tokens_and_time_to_first_token() ->
     assert total(log, "num_ttft") == 1  # only the first token counts
     assert total(log, "ttft_sum_s") > 0
     assert total(log, "busy_s") >= max(s.duration_s for s in steps)
+
+
+def test_a_verifying_step_counts_every_token_it_kept() -> None:
+    scheduler, log = make_scheduler(), StepLog()
+    log.watch()
+    add(scheduler, log, "a", prompt_len=4)
+    add(scheduler, log, "b", prompt_len=4, first_token=100)
+    step(scheduler, log)  # the prompts, sampling a first token each
+    step(scheduler, log, draft=[1, 2, 3], kept=2)  # each: 2 drafts kept, then its own token
+    step(scheduler, log, draft=[1, 2, 3], kept=0)  # each: all rejected, its own token only
+    assert [s.decode_tokens for s in log.recent_steps] == [0, 2, 2]
+    assert total(log, "sampled_tokens") == 2 + 2 * 3 + 2 * 1
 
 
 def test_preemptions_and_evictions_become_events() -> None:

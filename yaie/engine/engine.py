@@ -36,13 +36,13 @@ from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import SequenceStatus
 from yaie.engine.step_log import StepLog
 from yaie.errors import InvalidRequestError
-from yaie.model.loader import LoadProgress, load_model
+from yaie.model.loader import LoadProgress, load_model, resolve_model_path
 from yaie.outputs import RequestOutput
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
 from yaie.spec.config import SpeculativeConfig
 from yaie.spec.decoder import SpecDecodeStats, SpeculativeDecoder
-from yaie.spec.proposers import TargetInfo
+from yaie.spec.proposers import PROPOSERS, TargetInfo, TargetModel
 from yaie.spec.verify import StepTokens
 from yaie.structured.backend import Grammar, GrammarCompiler
 from yaie.structured.spec import StructuredOutputs
@@ -135,6 +135,9 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
+        target_model = TargetModel(resolve_model_path(config.model), config.quantization, self.device)
+        if spec_config is not None:  # what the method needs of the target, checked before it loads
+            PROPOSERS[spec_config.method].check_target(spec_config, target_model)
         loaded = load_model(
             config.model, self.dtype, self.device, max_positions=config.max_model_len, progress=load_progress,
             quantization=config.quantization,
@@ -179,6 +182,7 @@ class Engine:
             target = TargetInfo(
                 self.model_config.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
                 num_blocks, self.max_model_len, frozenset(self.eos_token_ids),
+                target_model,
             )  # fmt: skip
             self.speculator = SpeculativeDecoder.create(spec_config, target, self.scheduler)
         self.sampler = Sampler(self.eos_token_ids)
@@ -326,9 +330,11 @@ class Engine:
         outputs = self.output_processor.process(batch, model_output, sampled)
         if self.speculator is not None:
             self.speculator.record(batch)
+        # Counted before the update moves the counts it is computed from.
+        generated = sum(item.num_generated_tokens() for item in batch.scheduled) if watched else 0
         self.scheduler.update(batch)
         if watched:
-            self.step_log.record(batch, started, self.scheduler)
+            self.step_log.record(batch, generated, started, self.scheduler)
         return outputs
 
     def _forward(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:

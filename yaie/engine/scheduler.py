@@ -57,6 +57,15 @@ class ScheduledSequence:
             kept += 1
         return kept
 
+    def num_generated_tokens(self) -> int:
+        """Tokens the step appended to the sequence: its sampled one and the drafts it kept
+        (fewer where a stop ended the run, none where its request failed). Only meaningful
+        before `Scheduler.update` moves num_computed_tokens."""
+        if not self.samples:
+            return 0
+        num_before = self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+        return self.seq.num_tokens - num_before
+
 
 @dataclass
 class SchedulerOutput:

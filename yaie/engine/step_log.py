@@ -83,9 +83,13 @@ class StepLog:
         if len(self._arrivals) > NUM_ARRIVALS:
             self._arrivals.popitem(last=False)
 
-    def record(self, batch: SchedulerOutput, started: float, scheduler: Scheduler) -> None:
-        """One finished step: `batch` was its schedule, `started` its time.perf_counter() start.
-        Call it after the new tokens were appended, and after `scheduler.update`."""
+    def record(
+        self, batch: SchedulerOutput, num_generated: int, started: float, scheduler: Scheduler
+    ) -> None:
+        """One finished step: `batch` was its schedule, `num_generated` the tokens it appended
+        (with speculative decoding, a sequence may get several), `started` its
+        time.perf_counter() start. Call it after the new tokens were appended, and after
+        `scheduler.update`."""
         ended = time.perf_counter()
         duration = ended - started
         now = time.time()
@@ -102,7 +106,7 @@ class StepLog:
         bin_.busy_s += duration
         bin_.max_step_s = max(bin_.max_step_s, duration)
         bin_.prefill_tokens += prefill
-        bin_.sampled_tokens += len(batch.sampling_seqs)
+        bin_.sampled_tokens += num_generated
         for seq in batch.sampling_seqs:
             arrival = self._arrivals.pop(seq.request_id, None) if seq.num_output_tokens == 1 else None
             if arrival is not None:  # the first of the request's choices to produce a token

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from yaie.config import QUANTIZATIONS
+
 # Drafts longer than this cost more to verify than they can save: each extra position is paid
 # for in every verifying forward, and acceptance decays geometrically along a draft.
 MAX_SPECULATIVE_TOKENS = 16
@@ -25,6 +27,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix of the sequence looked up in it
     prompt_lookup_max: int = 4  # ngram: longest such suffix
     model: str | None = None  # draft_model: a .gguf file or HF directory with the same vocabulary
+    # How the draft's linear layers hold their weights (EngineConfig.quantization's choices).
+    # draft_model: "none" by default; self: a GGUF's stored types by default, else int4.
+    quantization: str | None = None
     # No speculation in a step with more decoding sequences than this.
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     # A sequence whose recent acceptance rate (a moving average) falls below this drafts no more
@@ -67,6 +72,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: disable_by_batch_size must be a positive integer, "
                 f"got {self.disable_by_batch_size!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config: quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
             )
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(

@@ -3,12 +3,16 @@
 A proposer gets the sequences about to decode and, for each, the most tokens it may draft, and
 returns a `Draft` per sequence (possibly empty). Adding a method is adding a class here with
 its `method` name and registering it in PROPOSERS.
+
+Settings a method cannot use are refused before anything heavy is allocated: `check_config`
+sees the dict alone, `check_target` also the target model the engine is about to load.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -19,11 +23,21 @@ from yaie.engine.model_runner import ModelRunner
 from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
 from yaie.engine.sequence import Sequence
 from yaie.model.loader import load_model
+from yaie.model.loader_gguf import GGUFCheckpoint
 from yaie.sampling.draw import draw_full_rows
 from yaie.sampling.sampler import Sampler
 from yaie.sampling_params import SamplingParams
 from yaie.spec.config import SpeculativeConfig
 from yaie.spec.verify import Draft, Position
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """The target model as the engine is about to load it: known before anything is loaded."""
+
+    path: Path  # resolved: the bundled model's when none was named
+    quantization: str  # EngineConfig.quantization: how the target's linear layers hold their weights
+    device: torch.device
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,7 @@ class TargetInfo:
     num_kv_blocks: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    model: TargetModel
 
 
 class Proposer(ABC):
@@ -47,6 +62,11 @@ class Proposer(ABC):
     def check_config(cls, config: SpeculativeConfig) -> None:
         """Refuse settings this method cannot use (raise ValueError); nothing is loaded yet.
         Most methods have nothing to check beyond SpeculativeConfig's own checks."""
+        return None
+
+    @classmethod
+    def check_target(cls, config: SpeculativeConfig, model: TargetModel) -> None:
+        """Refuse a target this method cannot draft for (raise ValueError); nothing is loaded yet."""
         return None
 
     @classmethod
@@ -126,8 +146,16 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def create(cls, config: SpeculativeConfig, target: TargetInfo) -> DraftModelProposer:
-        loaded = load_model(config.model, target.dtype, target.device, max_positions=target.max_model_len)
-        check_same_vocabulary(target, loaded.config.vocab_size, loaded.tokenizer, config.model)
+        assert config.model is not None  # check_config saw to it
+        return cls.load(config.model, config.quantization or "none", target)
+
+    @classmethod
+    def load(cls, model: str, quantization: str, target: TargetInfo) -> DraftModelProposer:
+        """A proposer drafting with the model at `model`, its weights held as `quantization` says."""
+        loaded = load_model(
+            model, target.dtype, target.device, max_positions=target.max_model_len, quantization=quantization
+        )
+        check_same_vocabulary(target, loaded.config.vocab_size, loaded.tokenizer, model)
         # As many tokens of draft KV as the target has: every sequence the target holds fits.
         runner = ModelRunner(loaded.model, target.num_kv_blocks, target.block_size, target.dtype)
         return cls(runner, BlockPool(target.num_kv_blocks), target)
@@ -216,6 +244,78 @@ class DraftModelProposer(Proposer):
                 del self._shadows[seq]
 
 
+class SelfProposer(DraftModelProposer):
+    """The target's own model file, loaded a second time with quantized weights, drafts for the
+    target run unquantized (fp32 or bf16): the output is the exact unquantized model's, and a
+    step costs about what the quantized twin's would wherever the twin agrees with it. The draft
+    is a draft_model in everything else: its own runner, and a KV pool as large as the
+    target's, kept in step with the target's tokens."""
+
+    method = "self"
+
+    @classmethod
+    def check_config(cls, config: SpeculativeConfig) -> None:
+        if config.model is not None:
+            raise ValueError(
+                "speculative_config: self drafts with the target's own model file; 'model' names the "
+                "draft of draft_model"
+            )
+        if config.quantization == "none":
+            raise ValueError(
+                "speculative_config: self drafts with quantized weights ('auto', 'int8' or 'int4'); "
+                "with 'none' the draft would be the target itself, at the target's cost"
+            )
+
+    @classmethod
+    def check_target(cls, config: SpeculativeConfig, model: TargetModel) -> None:
+        self_draft_quantization(config, model)
+
+    @classmethod
+    def create(cls, config: SpeculativeConfig, target: TargetInfo) -> DraftModelProposer:
+        return cls.load(str(target.model.path), self_draft_quantization(config, target.model), target)
+
+
+def self_draft_quantization(config: SpeculativeConfig, model: TargetModel) -> str:
+    """How `self` holds its draft's weights: config.quantization, by default the block types a
+    GGUF file stores ("auto"), or int4 made at load where the file stores none. Raises
+    ValueError where the draft would cost what the target costs (the target already runs
+    quantized, or the draft would run dense) or cannot be made."""
+    if model.device.type != "cpu":
+        raise ValueError(
+            f"speculative_config: self drafts with the quantized kernels, which run on the CPU only "
+            f"(device: {model.device})"
+        )
+    stored = stored_quantized_types(model.path)
+    if model.quantization in ("int8", "int4") or (model.quantization == "auto" and stored):
+        runs = ", ".join(stored) if model.quantization == "auto" else model.quantization
+        raise ValueError(
+            f"speculative_config: self drafts with the model's quantized weights for the model run "
+            f"unquantized, but the target already runs quantized ({runs}): the draft would be the "
+            "target itself, with no gain; run the target with quantization 'none'"
+        )
+    scheme = config.quantization or ("auto" if stored else "int4")
+    if scheme == "auto" and not stored:
+        raise ValueError(
+            f"speculative_config: {model.path.name} stores no quantized weights, so a draft with "
+            "quantization 'auto' would run the target's own dense weights, with no gain; use 'int4' or 'int8'"
+        )
+    if scheme in ("int8", "int4") and stored:
+        raise ValueError(
+            f"speculative_config: {model.path.name} already stores quantized weights "
+            f"({', '.join(stored)}); quantizing them again to {scheme} would add a second rounding "
+            "error: let the draft run them as stored (quantization 'auto', the default)"
+        )
+    return scheme
+
+
+def stored_quantized_types(path: Path) -> list[str]:
+    """The block types a GGUF file stores its weights in (none for a HF checkpoint): reads the
+    file's header and tensor index only."""
+    if not path.is_file():
+        return []
+    return sorted(t.name for t in GGUFCheckpoint(str(path)).quantized_types)
+
+
 def check_same_vocabulary(target: TargetInfo, vocab_size: int, tokenizer: Any, name: str | None) -> None:
     """A draft must speak the target's tokens: the same ids for the same pieces."""
     if vocab_size != target.vocab_size:
@@ -229,4 +329,6 @@ def check_same_vocabulary(target: TargetInfo, vocab_size: int, tokenizer: Any, n
         )
 
 
-PROPOSERS: dict[str, type[Proposer]] = {cls.method: cls for cls in (NgramProposer, DraftModelProposer)}
+PROPOSERS: dict[str, type[Proposer]] = {
+    cls.method: cls for cls in (NgramProposer, DraftModelProposer, SelfProposer)
+}
