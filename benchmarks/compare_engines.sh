@@ -4,8 +4,9 @@
 # Usage:   benchmarks/compare_engines.sh            (peers installed by benchmarks/peers/install_*.sh)
 # Env:     OUT (default benchmarks/results/compare)  CONC (default 1,8,32)  N (requests per level, 32)
 #          MAX_TOKENS (128)  ENGINES (default "yaie llamacpp vllm")  DENSE (the dense HF copy for vLLM)
-# Each engine serves the bundled SmolLM2-135M-Instruct on loopback: yaie and vLLM in fp32 (the
-# GGUF's Q4_1 weights dequantized), llama.cpp on the Q4_1 GGUF itself. For each engine it runs the
+# Each engine serves the bundled SmolLM2-135M-Instruct on loopback: yaie on the GGUF in its default
+# quantization (the Q4_1 weights as stored; YAIE_QUANTIZATION=none dequantizes them to fp32), vLLM
+# in fp32 from the dense copy, llama.cpp on the Q4_1 GGUF itself. For each engine it runs the
 # short-prompt set at every concurrency level, then the shared-prefix set (a 1,000-token system
 # prompt + 16 questions, one at a time, after one warm-up request), then stops the server.
 # Afterwards benchmarks/compare_report.py prints the table of ratios and draws the plots.

@@ -2,7 +2,9 @@
 # Sourced by compare_engines.sh and compare_context.sh: start and stop each engine we compare.
 # start_engine NAME sets LABEL and URL for the running server; stop_engine NAME stops it.
 # NAME is yaie, llamacpp or vllm. Every server serves the bundled SmolLM2-135M-Instruct on
-# loopback: yaie and vLLM in fp32 (the GGUF's Q4_1 weights dequantized), llama.cpp on the GGUF.
+# loopback: yaie on the GGUF in its default quantization (the Q4_1 weights as stored;
+# YAIE_QUANTIZATION=none dequantizes them to fp32), vLLM in fp32 from the dense copy, llama.cpp
+# on the GGUF.
 PEERS_DIR=${PEERS_DIR:-/tmp/peers}
 # LABEL and URL are read by the scripts that source this file.
 # shellcheck disable=SC2034

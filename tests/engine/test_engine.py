@@ -12,26 +12,26 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 
 @pytest.mark.slow
-def test_greedy_matches_transformers_reference(llm, reference):
+def test_greedy_matches_transformers_reference(exact_llm, reference):
     results = reference["results"]
-    outputs = llm.generate([r["prompt_ids"] for r in results], GREEDY)
+    outputs = exact_llm.generate([r["prompt_ids"] for r in results], GREEDY)
     for expected, output in zip(results, outputs, strict=True):
         assert output.prompt_token_ids == expected["prompt_ids"]
         assert output.outputs[0].token_ids == expected["generated_ids"], expected["prompt"]
         stopped = expected["generated_ids"][-1] == reference["eos_token_id"]
         assert output.outputs[0].finish_reason == ("stop" if stopped else "length")
-    assert_no_leak(llm)
+    assert_no_leak(exact_llm)
 
 
 @pytest.mark.slow
-def test_chat_template_and_text_prompts_match_reference_ids(llm, reference):
+def test_chat_template_and_text_prompts_match_reference_ids(exact_llm, reference):
     for expected in reference["results"]:
         if expected["kind"] == "chat":
-            ids = llm.encode_chat([{"role": "user", "content": expected["prompt"]}])
+            ids = exact_llm.encode_chat([{"role": "user", "content": expected["prompt"]}])
         else:
-            ids = llm.tokenizer(expected["prompt"]).input_ids
+            ids = exact_llm.tokenizer(expected["prompt"]).input_ids
         assert ids == expected["prompt_ids"]
-    [chat] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    [chat] = exact_llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
     assert chat.outputs[0].text == "The capital of France is Paris."
 
 
