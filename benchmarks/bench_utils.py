@@ -22,6 +22,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from rich.console import Console
 
+from yaie.config import QUANTIZATIONS, EngineConfig
+
 
 @dataclass(frozen=True)
 class CpuSample:
@@ -104,6 +106,16 @@ def add_disturbance_args(parser: argparse.ArgumentParser) -> None:
         help="redo a measurement during which other processes kept more cores than this busy",
     )
     parser.add_argument("--retries", type=int, default=2, help="redos per disturbed measurement, at most")
+
+
+def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
+    """--quantization for the engine the script runs; the default is the engine's own."""
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=EngineConfig.quantization,
+        help=f"how the engine holds the weights (default {EngineConfig.quantization}; none: dense fp32)",
+    )
 
 
 def write_report(path: Path, report: dict[str, Any], console: Console) -> None:

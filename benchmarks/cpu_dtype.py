@@ -1,12 +1,14 @@
 """Decode speed of `--dtype bfloat16` against the float32 default on this CPU, in one run.
 
-    python benchmarks/cpu_dtype.py [--batch-sizes 1 8] [--max-tokens 128] [--rounds 4]
+    python benchmarks/cpu_dtype.py [--batch-sizes 1 8] [--max-tokens 128] [--rounds 4] [--quantization none]
 
 Both engines live in this process (loaded one after the other, on this thread) and take turns:
 each round times one greedy batch of `--max-tokens` tokens (EOS ignored) per dtype and batch
 size. The table gives the median ms per decode step and bf16's speed-up over fp32. Where the CPU
 has native bf16 dot products (AVX512-BF16, AMX), bf16 weights are packed for oneDNN and halve
 the bytes every step streams; elsewhere bf16 goes through F.linear and is not expected to win.
+The dtype is that of the dense weights: with `--quantization none` every linear layer is dense,
+while the default runs the GGUF's quantized layers as stored, in either dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_utils import machine_info, make_console, write_report
+from bench_utils import add_quantization_arg, machine_info, make_console, write_report
 from rich.table import Table
 
 from yaie import LLM, SamplingParams
@@ -33,11 +35,15 @@ def main() -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
+    add_quantization_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_dtype.json"))
     args = parser.parse_args()
     console = make_console()
 
-    engines = {dtype: LLM(dtype=dtype, kv_cache_memory=256 * 2**20) for dtype in DTYPES}
+    engines = {
+        dtype: LLM(dtype=dtype, quantization=args.quantization, kv_cache_memory=256 * 2**20)
+        for dtype in DTYPES
+    }
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     times: dict[tuple[str, int], list[float]] = {(d, b): [] for d in DTYPES for b in args.batch_sizes}
     for llm in engines.values():  # warm-up
@@ -65,6 +71,7 @@ def main() -> int:
         "benchmark": "cpu_dtype",
         "machine": machine_info(),
         "onednn_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        "quantization": args.quantization,
         "results": results,
     }
     write_report(args.out, report, console)

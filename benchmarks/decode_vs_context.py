@@ -1,7 +1,8 @@
 """Decode cost against context length: how much slower a token gets as the KV cache grows.
 
     python benchmarks/decode_vs_context.py [--contexts 128 1024 2048 4096] [--batch8-contexts 128 1024]
-        [--decode-steps 32] [--threads N] [--out benchmarks/results/decode_vs_context.json]
+        [--decode-steps 32] [--threads N] [--quantization none]
+        [--out benchmarks/results/decode_vs_context.json]
 
 For each (batch size, context) the script submits `batch` prompts of `context` tokens (natural text,
 tiled; a different offset per sequence), lets yaie prefill them, then times `--decode-steps`
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from bench_utils import (  # benchmarks/ is the script's folder
     add_disturbance_args,
+    add_quantization_arg,
     machine_info,
     make_console,
     run_undisturbed,
@@ -139,6 +141,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch8-contexts", type=int, nargs="*", default=[128, 1024], help="batch 8")
     parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
     add_disturbance_args(parser)
+    add_quantization_arg(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_vs_context.json"))
     return parser.parse_args()
@@ -149,7 +152,9 @@ def main() -> int:
     console = make_console()
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    llm = LLM(enable_prefix_caching=False, max_num_seqs=8, num_threads=threads)
+    llm = LLM(
+        enable_prefix_caching=False, max_num_seqs=8, num_threads=threads, quantization=args.quantization
+    )
     # The longest prompt that leaves room for the decode steps (and the tokens decoded meanwhile).
     window = llm.engine.max_model_len - args.decode_steps - DECODE_HEADROOM
     text_ids = [token for prompt in PROMPTS for token in llm.tokenizer(prompt + "\n\n").input_ids]
@@ -183,6 +188,8 @@ def main() -> int:
         "config": {
             "threads": threads,
             "dtype": str(llm.engine.dtype),
+            "quantization": args.quantization,
+            "weight_types": llm.engine.model_info.quantization,
             "decode_steps": args.decode_steps,
             "block_size": llm.engine.config.block_size,
             "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,

@@ -1,15 +1,17 @@
 """Offline generation throughput: yaie against transformers `generate`, same model, same run.
 
     python benchmarks/offline_throughput.py [--batch-sizes 1 8 32] [--hf-batch-sizes 1 8]
-        [--repeats 3] [--max-tokens 128] [--threads N] [--out benchmarks/results/offline_throughput.json]
+        [--repeats 3] [--max-tokens 128] [--threads N] [--quantization none]
+        [--out benchmarks/results/offline_throughput.json]
 
-Both engines run the bundled SmolLM2-135M-Instruct in fp32 with the same weights: yaie from the
-Q4_1 GGUF (dequantized on load), transformers from the dense copy that benchmarks/dense_copy.py
-writes from the same GGUF. Every request is a fixed prompt of 30-60 tokens and generates exactly
-`--max-tokens` tokens greedily with EOS not ending it (yaie: ignore_eos; transformers:
-eos_token_id=None, left padding with an attention mask), so both engines do the same work; the
-script reports how many leading tokens they agree on. yaie's prefix cache is off, so repeated
-prompts are computed every time.
+Both engines run the bundled SmolLM2-135M-Instruct: transformers in fp32 from the dense copy that
+benchmarks/dense_copy.py writes from the Q4_1 GGUF, yaie from the GGUF itself in --quantization
+(default: the engine's, which runs the Q4_1 weights as stored; `none` dequantizes them on load to
+the very weights transformers runs, and only then are the greedy tokens expected to agree). Every
+request is a fixed prompt of 30-60 tokens and generates exactly `--max-tokens` tokens greedily
+with EOS not ending it (yaie: ignore_eos; transformers: eos_token_id=None, left padding with an
+attention mask), so both engines do the same work; the script reports how many leading tokens
+they agree on. yaie's prefix cache is off, so repeated prompts are computed every time.
 
 Per engine and batch size: one warm-up run, then `--repeats` timed runs, the two engines
 alternating so that both see the same background load. Reported (medians over repeats):
@@ -36,6 +38,7 @@ import torch
 import transformers
 from bench_utils import (  # benchmarks/ is the script's folder
     add_disturbance_args,
+    add_quantization_arg,
     machine_info,
     make_console,
     run_undisturbed,
@@ -115,8 +118,13 @@ def batch_of(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
 class YaieRunner:
     name = "yaie"
 
-    def __init__(self, max_num_seqs: int, threads: int) -> None:
-        self.llm = LLM(enable_prefix_caching=False, max_num_seqs=max_num_seqs, num_threads=threads)
+    def __init__(self, max_num_seqs: int, threads: int, quantization: str) -> None:
+        self.llm = LLM(
+            enable_prefix_caching=False,
+            max_num_seqs=max_num_seqs,
+            num_threads=threads,
+            quantization=quantization,
+        )
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Run:
         engine = self.llm.engine
@@ -291,6 +299,7 @@ def parse_args() -> argparse.Namespace:
         "--warmup-tokens", type=int, default=16, help="new tokens per request when warming up"
     )
     add_disturbance_args(parser)
+    add_quantization_arg(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     parser.add_argument(
         "--dense-dir", type=Path, default=DEFAULT_DENSE_DIR, help="dense copy for transformers"
@@ -323,7 +332,7 @@ def main() -> int:
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
 
-    yaie = YaieRunner(max(args.batch_sizes), threads)
+    yaie = YaieRunner(max(args.batch_sizes), threads, args.quantization)
     runners: dict[str, Runner] = {"yaie": yaie}
     batch_sizes = {
         "yaie": set(args.batch_sizes),
@@ -382,6 +391,8 @@ def main() -> int:
         "config": {
             "threads": threads,
             "dtype": "float32",
+            "quantization": args.quantization,
+            "weight_types": yaie.llm.engine.model_info.quantization,
             "max_tokens": args.max_tokens,
             "repeats": args.repeats,
             "warmup_tokens": args.warmup_tokens,

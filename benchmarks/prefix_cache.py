@@ -2,7 +2,8 @@
 same long system prompt, with the cache on and then off, in one run (GitHub issue 5).
 
     python benchmarks/prefix_cache.py [--prompt-tokens 1000] [--num-questions 16] [--max-tokens 32]
-        [--concurrency 16] [--num-kv-blocks 1280] [--out benchmarks/results/prefix_cache.json]
+        [--concurrency 16] [--num-kv-blocks 1280] [--quantization none]
+        [--out benchmarks/results/prefix_cache.json]
 
 The script starts `yaie serve` on a free loopback port twice, once as is and once with
 --no-prefix-caching. Each server first answers one warm-up request with the system prompt, which in
@@ -48,6 +49,7 @@ from typing import Any
 import httpx
 from bench_utils import (
     CpuSample,
+    add_quantization_arg,
     cpu_sample,
     machine_info,
     make_console,
@@ -87,12 +89,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(log_dir: Path, num_kv_blocks: int, prefix_caching: bool) -> Iterator[ServerProcess]:
+def serve(
+    log_dir: Path, num_kv_blocks: int, quantization: str, prefix_caching: bool
+) -> Iterator[ServerProcess]:
     """`yaie serve` on a free loopback port, healthy when yielded, stopped with SIGTERM after."""
     port = free_port()
     command = [sys.executable, "-m", "yaie.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--served-model-name", MODEL_NAME, "--num-kv-blocks", str(num_kv_blocks)]
-    command += ["--log-level", "warning"]
+    command += ["--quantization", quantization, "--log-level", "warning"]
     if not prefix_caching:
         command.append("--no-prefix-caching")
     env = {name: value for name, value in os.environ.items() if not name.startswith("YAIE_")}
@@ -332,6 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1280,  # 20k tokens: the 16 uncached requests fit at once, so neither run preempts
         help="passed to yaie serve",
     )
+    add_quantization_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_cache.json"))
     args = parser.parse_args(argv)
     for name in ("prompt_tokens", "num_questions", "max_tokens", "concurrency", "num_kv_blocks"):
@@ -351,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="yaie-prefix-bench-") as log_dir:
         for mode, caching in (("cache on", True), ("cache off", False)):
             console.print(f"{mode}: starting yaie serve ...")
-            with serve(Path(log_dir), args.num_kv_blocks, caching) as server:
+            with serve(Path(log_dir), args.num_kv_blocks, args.quantization, caching) as server:
                 variants[mode] = asyncio.run(measure_server(server, mode, system, args))
     ordered = [v for pair in zip(variants["cache on"], variants["cache off"], strict=True) for v in pair]
     ratio_rows = [
@@ -371,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
             "num_kv_blocks": args.num_kv_blocks,
+            "quantization": args.quantization,
             "temperature": 0,
             "floor": FLOOR,
         },

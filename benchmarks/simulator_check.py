@@ -1,7 +1,8 @@
 """Is `yaie simulate` right about this machine? The simulator against a measured `yaie bench`.
 
     python benchmarks/simulator_check.py [--concurrency 8,32] [--num-requests 64] [--max-tokens 128]
-        [--prompt-set short] [--out benchmarks/results/simulator_check.json] [-- SERVE OPTIONS]
+        [--prompt-set short] [--quantization none] [--out benchmarks/results/simulator_check.json]
+        [-- SERVE OPTIONS]
 
 In one run: `yaie bench --fit-cost-model` times the engine's steps and fits the cost model, then
 `yaie bench` load-tests a server with the same options, then the simulator replays the very same
@@ -23,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench_utils import add_quantization_arg  # benchmarks/ is the script's folder
 from rich.console import Console
 from rich.table import Table
 
@@ -72,11 +74,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-set", choices=("short", "long", "shared-prefix"), default="short")
     parser.add_argument("--tolerance", type=float, default=0.15)
+    add_quantization_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/simulator_check.json"))
     args, serve_args = parser.parse_known_args()
     serve_args = [a for a in serve_args if a != "--"]
     levels = int_list(args.concurrency)
     model = next((a for a in serve_args if not a.startswith("-")), None)  # a model path, if any
+    serve_args += ["--quantization", args.quantization]
     with tempfile.TemporaryDirectory() as scratch:
         cost_path, bench_path = Path(scratch) / "cost.json", Path(scratch) / "bench.json"
         yaie("bench", "--fit-cost-model", str(cost_path), *serve_args)
@@ -136,6 +140,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "serve_args": serve_args,
+        "quantization": args.quantization,
         "cost_model": cost.to_json(),
         "levels": rows,
         "within_tolerance": not failed,

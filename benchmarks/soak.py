@@ -2,6 +2,7 @@
 leaked.
 
     python benchmarks/soak.py --seconds 60 --clients 64             # starts its own server
+    python benchmarks/soak.py --seconds 60 --quantization none      # ... with dense fp32 weights
     python benchmarks/soak.py --base-url http://127.0.0.1:8000 --pid 1234
 
 Each client loops: a chat or text completion, streamed or not, with a random max_tokens; about
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import psutil
+from bench_utils import add_quantization_arg  # benchmarks/ is the script's folder
 from prometheus_client.parser import text_string_to_metric_families
 
 GRACE_S = 30.0  # for the requests under way when the time is up
@@ -112,6 +114,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "yaie.cli", "serve", "--port", str(port), "--served-model-name", "soak"]
     command += ["--no-prefix-caching", "--num-kv-blocks", str(args.num_kv_blocks)]
+    command += ["--quantization", args.quantization]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
@@ -143,6 +146,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--num-kv-blocks", type=int, default=512)
+    add_quantization_arg(parser)  # of the server it starts
     args = parser.parse_args()
     process = None
     if args.base_url is None:
@@ -161,6 +165,7 @@ def main() -> int:
             process.terminate()
             process.wait(30)
     report = {
+        "quantization": args.quantization if process is not None else "the running server's",
         "clients": args.clients,
         "seconds": round(elapsed, 1),
         "requests": sum(tally.outcomes.values()),

@@ -2,7 +2,7 @@
 it stops paying (what `disable_by_batch_size` should be).
 
     python benchmarks/speculative.py [--model PATH] [--configs JSON ...] [--clients 1 8 32]
-        [--max-tokens 128] [--repeats 3] [--out benchmarks/results/speculative.json]
+        [--max-tokens 128] [--repeats 3] [--quantization none] [--out benchmarks/results/speculative.json]
 
 For each speculative config and each number of clients, the same greedy requests run with
 speculation off and on, alternating, in the same process (so both see the same machine load),
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_utils import make_console, write_report  # benchmarks/ is the script's folder
+from bench_utils import add_quantization_arg, make_console, write_report  # benchmarks/ is the script's folder
 
 from yaie import LLM, SamplingParams
 
@@ -65,16 +65,18 @@ def main() -> None:
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    add_quantization_arg(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     console = make_console()
     results: list[dict[str, Any]] = []
-    plain = LLM(args.model, enable_prefix_caching=False)
+    plain = LLM(args.model, enable_prefix_caching=False, quantization=args.quantization)
     for raw in args.configs:
         config = json.loads(raw)
         spec = LLM(
             args.model,
             enable_prefix_caching=False,
+            quantization=args.quantization,
             speculative_config={**config, "disable_by_batch_size": max(args.clients)},
         )
         for clients in args.clients:
@@ -116,7 +118,8 @@ def main() -> None:
                 )
         del spec  # its KV cache (and a draft's) goes before the next config's engine takes one
     if args.out:
-        write_report(args.out, {"args": sys.argv[1:], "results": results}, console)
+        report = {"args": sys.argv[1:], "quantization": args.quantization, "results": results}
+        write_report(args.out, report, console)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Why the server builds its Engine on the engine thread: decode speed vs which thread loads the model.
 
-    python benchmarks/thread_pools.py [--batch-size 8] [--max-tokens 128] [--repeats 3]
+    python benchmarks/thread_pools.py [--batch-size 8] [--max-tokens 128] [--repeats 3] [--quantization none]
 
 Each case runs in a fresh process (OpenMP's thread pools live as long as the process) and times
 `LLM.generate` of a batch, greedy, ignore_eos:
@@ -27,13 +27,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_utils import add_disturbance_args, machine_info, make_console, run_undisturbed, write_report
+from bench_utils import (
+    add_disturbance_args,
+    add_quantization_arg,
+    machine_info,
+    make_console,
+    run_undisturbed,
+    write_report,
+)
 from rich.table import Table
 
 CASES = ("main", "same-thread", "cross-thread")
 
 
-def measure_case(case: str, batch_size: int, max_tokens: int, repeats: int) -> list[float]:
+def measure_case(case: str, batch_size: int, max_tokens: int, repeats: int, quantization: str) -> list[float]:
     """Runs inside the child process: ms per decode step of each repeat."""
     from yaie import LLM, SamplingParams
 
@@ -42,7 +49,7 @@ def measure_case(case: str, batch_size: int, max_tokens: int, repeats: int) -> l
     holder: dict[str, Any] = {}
 
     def load() -> None:
-        holder["llm"] = LLM()
+        holder["llm"] = LLM(quantization=quantization)
 
     def run() -> None:
         llm = holder["llm"]
@@ -74,6 +81,7 @@ def run_child(case: str, args: argparse.Namespace) -> list[float]:
     command = [
         sys.executable, __file__, "--child", case, "--batch-size", str(args.batch_size),
         "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+        "--quantization", args.quantization,
     ]  # fmt: skip
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -89,9 +97,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/thread_pools.json"))
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     add_disturbance_args(parser)
+    add_quantization_arg(parser)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_case(args.child, args.batch_size, args.max_tokens, args.repeats)))
+        times = measure_case(args.child, args.batch_size, args.max_tokens, args.repeats, args.quantization)
+        print(json.dumps(times))
         return 0
 
     console = make_console()

@@ -2,7 +2,8 @@
 vs none, in the same run, against the same server.
 
     python benchmarks/web_overhead.py [--pages 10] [--concurrency 8] [--num-requests 32]
-        [--max-tokens 128] [--repeats 3] [--out benchmarks/results/web_overhead.json] [-- serve args]
+        [--max-tokens 128] [--repeats 3] [--quantization none] [--out benchmarks/results/web_overhead.json]
+        [-- serve args]
 
 One `yaie serve` is started; the two modes then alternate (none, pages, none, pages, ...) so that
 drift in the machine's speed hits both alike. Each round is one `yaie bench`-style level:
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_utils import machine_info, make_console, write_report
+from bench_utils import add_quantization_arg, machine_info, make_console, write_report
 
 from yaie.bench import BenchConfig, run_bench
 
@@ -98,12 +99,13 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of each mode")
+    add_quantization_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/web_overhead.json"))
     parser.add_argument("serve_args", nargs="*", help="after --: options for `yaie serve`")
     args = parser.parse_args()
     console = make_console()
 
-    server, base_url = start_server(args.serve_args)
+    server, base_url = start_server([*args.serve_args, "--quantization", args.quantization])
     try:
         config = BenchConfig(
             base_url=base_url, model="", prompt_set="short", max_tokens=args.max_tokens, temperature=0.0,

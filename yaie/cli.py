@@ -101,9 +101,10 @@ def _add_engine_args(add: Any) -> None:
     )
     add(
         "--quantization",
-        default="none",
+        default="auto",
         choices=QUANTIZATIONS,
-        help="none: dequantize to --dtype; auto: GGUF weights run as stored; int8, int4: quantize at load",
+        help="auto: a GGUF file's weights run as stored, a dense checkpoint in --dtype; none: dequantize "
+        "to --dtype (exact transformers parity); int8, int4: quantize a dense checkpoint at load",
     )
     add(
         "--kv-cache-dtype",

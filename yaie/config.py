@@ -25,9 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch CPU threads; None = torch's default
-    # none: dequantize to dtype; auto: a GGUF file's linear layers as stored; int8/int4 at load.
-    # "none" until the quantized path is benchmarked: it keeps exact transformers parity.
-    quantization: str = "none"
+    # auto: a GGUF file's linear layers run as stored, a dense checkpoint in dtype; none: every
+    # weight dequantized to dtype (exact transformers parity); int8/int4: quantized at load.
+    quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 4};
     # see yaie.spec.config.SpeculativeConfig. None: off.

@@ -16,7 +16,10 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`model`: a .gguf file or HF directory (None = the bundled SmolLM2-135M-Instruct).
-        Other keyword arguments are EngineConfig fields (dtype, max_num_seqs, num_kv_blocks, ...)."""
+        Other keyword arguments are EngineConfig fields (dtype, quantization, max_num_seqs,
+        num_kv_blocks, ...). quantization="auto", the default, runs a GGUF file's weights in the
+        types it stores and a dense checkpoint in `dtype`; "none" dequantizes every weight to
+        `dtype`, which reproduces transformers' outputs exactly."""
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 

@@ -51,10 +51,10 @@ def test_serve_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPat
 
 
 def test_quantization_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build_parser().parse_args(["serve"]).quantization == "none"
-    assert build_parser().parse_args(["generate", "hi", "--quantization", "int4"]).quantization == "int4"
-    monkeypatch.setenv("YAIE_QUANTIZATION", "auto")
     assert build_parser().parse_args(["serve"]).quantization == "auto"
+    assert build_parser().parse_args(["generate", "hi", "--quantization", "int4"]).quantization == "int4"
+    monkeypatch.setenv("YAIE_QUANTIZATION", "none")
+    assert build_parser().parse_args(["serve"]).quantization == "none"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "fp8"])
 

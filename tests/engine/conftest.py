@@ -17,5 +17,12 @@ def reference() -> dict:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The bundled model with a roomy KV pool, shared by every engine test."""
+    """The bundled model with a roomy KV pool, shared by every engine test, in the default
+    quantization (the GGUF's weights as stored)."""
     return LLM(num_kv_blocks=1024)
+
+
+@pytest.fixture(scope="session")
+def exact_llm() -> LLM:
+    """The bundled model dequantized to fp32: the one transformers' reference outputs hold for."""
+    return LLM(num_kv_blocks=512, quantization="none")

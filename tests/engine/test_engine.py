@@ -9,29 +9,32 @@ from yaie import LLM, InvalidRequestError, ModelLoadError, SamplingParams, Unsup
 from yaie.cache.radix_cache import RadixCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
+# The tests that compare one batch's tokens with another's run dense weights: quantized layers
+# take int8 activations below quant.DEQUANTIZED_FROM_ROWS rows and fp32 tiles above, so a prompt
+# prefilled alone and the same prompt in a batch round differently and may part ways.
 
 
 @pytest.mark.slow
-def test_greedy_matches_transformers_reference(llm, reference):
+def test_greedy_matches_transformers_reference(exact_llm, reference):
     results = reference["results"]
-    outputs = llm.generate([r["prompt_ids"] for r in results], GREEDY)
+    outputs = exact_llm.generate([r["prompt_ids"] for r in results], GREEDY)
     for expected, output in zip(results, outputs, strict=True):
         assert output.prompt_token_ids == expected["prompt_ids"]
         assert output.outputs[0].token_ids == expected["generated_ids"], expected["prompt"]
         stopped = expected["generated_ids"][-1] == reference["eos_token_id"]
         assert output.outputs[0].finish_reason == ("stop" if stopped else "length")
-    assert_no_leak(llm)
+    assert_no_leak(exact_llm)
 
 
 @pytest.mark.slow
-def test_chat_template_and_text_prompts_match_reference_ids(llm, reference):
+def test_chat_template_and_text_prompts_match_reference_ids(exact_llm, reference):
     for expected in reference["results"]:
         if expected["kind"] == "chat":
-            ids = llm.encode_chat([{"role": "user", "content": expected["prompt"]}])
+            ids = exact_llm.encode_chat([{"role": "user", "content": expected["prompt"]}])
         else:
-            ids = llm.tokenizer(expected["prompt"]).input_ids
+            ids = exact_llm.tokenizer(expected["prompt"]).input_ids
         assert ids == expected["prompt_ids"]
-    [chat] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    [chat] = exact_llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
     assert chat.outputs[0].text == "The capital of France is Paris."
 
 
@@ -56,14 +59,14 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_batched_requests_equal_each_request_alone(llm):
+def test_batched_requests_equal_each_request_alone(exact_llm):
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(16)]
-    together = llm.generate(PROMPTS, params)
+    together = exact_llm.generate(PROMPTS, params)
     for prompt, p, output in zip(PROMPTS, params, together, strict=True):
-        [alone] = llm.generate([prompt], p)
+        [alone] = exact_llm.generate([prompt], p)
         assert output.outputs[0].token_ids == alone.outputs[0].token_ids, prompt
         assert len(output.outputs[0].token_ids) == p.max_tokens
-    assert_no_leak(llm)
+    assert_no_leak(exact_llm)
 
 
 @pytest.mark.slow
@@ -123,12 +126,13 @@ def test_stop_strings_are_cut_and_never_streamed(llm):
 
 @pytest.mark.slow
 def test_oversubscribed_pool_finishes_everything_identically():
-    small = LLM(num_kv_blocks=24, max_num_seqs=16)  # 16 requests need ~4x these blocks at their peak
+    # 16 requests need ~4x these blocks at their peak.
+    small = LLM(num_kv_blocks=24, max_num_seqs=16, quantization="none")
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in PROMPTS]
     outputs = small.generate(PROMPTS, params)
     assert small.engine.stats().num_preemptions > 0
     assert_no_leak(small)
-    roomy = LLM(num_kv_blocks=24 * 8, max_num_seqs=16)
+    roomy = LLM(num_kv_blocks=24 * 8, max_num_seqs=16, quantization="none")
     expected = roomy.generate(PROMPTS, params)
     for got, want in zip(outputs, expected, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids

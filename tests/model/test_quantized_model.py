@@ -253,7 +253,7 @@ def test_engine_reports_quantization(tmp_path, vocab, llama, native_kernels):
     info = engine.model_info
     assert (info.quantization, info.kernel_isa) == ("Q4_0", quant.isa())
     assert info.weight_bytes == engine.weight_bytes > 0
-    dense = LLM(str(path), num_kv_blocks=8).engine.model_info
+    dense = LLM(str(path), quantization="none", num_kv_blocks=8).engine.model_info
     assert (dense.quantization, dense.kernel_isa) == ("none", "none")
 
 
