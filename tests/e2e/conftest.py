@@ -17,7 +17,7 @@ from yaie import LLM
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The shared server: default flags (prefix caching on)."""
+    """The shared server: default flags (prefix caching on), dense weights (see start_server)."""
     server = start_server(tmp_path_factory.mktemp("server"))
     yield server
     assert server.stop() == 0, server.log()
@@ -31,5 +31,5 @@ def client(server: Server) -> openai.OpenAI:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The same model in this process, for reference outputs."""
-    return LLM(num_kv_blocks=NUM_KV_BLOCKS)
+    """The same model in this process, for reference outputs (dense, as the servers run it)."""
+    return LLM(num_kv_blocks=NUM_KV_BLOCKS, quantization="none")

@@ -66,7 +66,14 @@ class Server:
         return self.process.returncode
 
 
-def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Server:
+def start_server(
+    log_dir: Path, *args: str, api_key: str | None = None, quantization: str | None = "none"
+) -> Server:
+    """`yaie serve` with the bundled model and `args`. `quantization` "none" by default: the tests
+    compare one request's greedy output with another's (streamed or not, cached or not, CLI or
+    API, in-process), and only the dense path is batch-invariant; the quantized one rounds a
+    prompt differently when it is prefilled beside others (docs/quantization.md). None: the
+    server's own default."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     command = yaie_command(
@@ -79,6 +86,8 @@ def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Serve
         str(NUM_KV_BLOCKS),
         *args,
     )
+    if quantization is not None:
+        command += ["--quantization", quantization]
     if api_key:
         command += ["--api-key", api_key]
     with log_path.open("wb") as log:

@@ -72,8 +72,9 @@ def test_kv_cache_dtype_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 def test_generate_streams_a_completion(llm: LLM) -> None:
     prompt = "The capital of France is"
+    flags = ["--max-tokens=12", "--temperature=0", "--num-kv-blocks=64", "--quantization=none"]
     result = subprocess.run(
-        yaie_command("generate", prompt, "--max-tokens", "12", "--temperature", "0", "--num-kv-blocks", "64"),
+        yaie_command("generate", prompt, *flags),
         capture_output=True,
         text=True,
         env=clean_env(),
@@ -128,7 +129,9 @@ def test_chat_with_a_server(server: Server, client: openai.OpenAI) -> None:
 @pytest.mark.slow
 def test_chat_in_process(llm: LLM) -> None:
     system = "You are a helpful assistant."
-    child = spawn_chat("--system", system, "--temperature=0", "--max-tokens=24", "--num-kv-blocks=64")
+    child = spawn_chat(
+        "--system", system, "--temperature=0", "--max-tokens=24", "--num-kv-blocks=64", "--quantization=none"
+    )
     child.expect("you>")
     answer = answer_to(child, QUESTION)
     conversation = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
