@@ -30,7 +30,7 @@ class HFCheckpoint:
         self.files = sorted(path.glob("*.safetensors"))
         if not self.files:
             raise ModelLoadError(f"{path} has no *.safetensors weights (other formats are not supported)")
-        self._config = json.loads(config_file.read_text())
+        self._config: dict[str, Any] = json.loads(config_file.read_text())
         generation = path / "generation_config.json"
         if generation.is_file():
             # generation_config.json often lists extra end-of-turn ids (e.g. Llama 3's <|eot_id|>).
