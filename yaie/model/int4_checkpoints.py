@@ -3,8 +3,10 @@
 Both formats quantize a linear layer's weight W [out, in] to 4-bit q with a float16 scale and an
 integer zero point per group of `group_size` input channels: W[o, i] = scale * (q - zero). Our
 4-bit layout keeps w = scale * q + min per 32 input channels, so min = -scale * zero, exact in
-float32 (an 11-bit significand times a 5-bit integer), and a group of 64 or 128 repeats its scale
-and min per 32. Both store the transposed weight, input channels as rows, in int32 words:
+float32 for float16 or bfloat16 scales (an 11-bit significand times a 5-bit integer), and a group
+of 64, 128, ... (or -1: the whole row) repeats its scale and min per 32. Any zero fits, so
+symmetric and asymmetric checkpoints load alike. Both store the transposed weight, input
+channels as rows, in int32 words:
 
 AWQ (AutoAWQ's GEMM version): eight output columns to a word, in the order 0 2 4 6 1 3 5 7.
 
