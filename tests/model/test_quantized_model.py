@@ -149,8 +149,10 @@ def assert_logits_within_bound(ours: torch.Tensor, dense: torch.Tensor, relative
 def checked_forward(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     """The kernels' product, checked against PyTorch over the activations quantized as they do."""
     y = QUANTIZED_FORWARD(self, x)
-    xq = quantized_activations(x.reshape(-1, self.in_features).float())
-    w = self.dequantize().double()
+    rows, w = x.reshape(-1, self.in_features).float(), self.dequantize().double()
+    if self.in_order is not None:  # the kernels take the features, and quantize them, in this order
+        rows, w = rows[:, self.in_order], w[:, self.in_order]
+    xq = quantized_activations(rows)
     bias = 0 if self.bias is None else self.bias.double()
     reference, magnitude = xq @ w.T + bias, xq.abs() @ w.abs().T
     error = (y.reshape(reference.shape).double() - reference).abs()

@@ -42,7 +42,9 @@ def _projection(layer: torch.nn.Module) -> list[torch.Tensor | None]:
 
 def _covered(projections: tuple[torch.nn.Module, ...], dtype: torch.dtype) -> bool:
     if all(isinstance(p, QuantizedLinear) for p in projections):
-        return dtype == torch.float32  # the quantized kernels take float32 activations
+        # The quantized kernels take float32 activations, in the weight's own input order (GPTQ's
+        # act-order permutes it, which only the layer's forward applies).
+        return dtype == torch.float32 and all(p.in_order is None for p in projections)
     return all(isinstance(p, Linear) and p.packed is not None for p in projections)
 
 

