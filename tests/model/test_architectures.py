@@ -35,7 +35,7 @@ def test_logits_match_transformers(kind, kernels, tmp_path, request):
     prompt = list(range(3, 14))
 
     # 1. Prefill logits at every prompt position, straight through the model.
-    runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, dtype=torch.float32)
+    runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, kv_dtype=torch.float32)
     n = len(prompt)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n)])
     with torch.inference_mode():
@@ -82,7 +82,7 @@ def test_bfloat16_follows_float32(kernels, tmp_path, request):
     request.getfixturevalue("native_kernels" if kernels == "native" else "pytorch_only")
     hf = make_tiny_model("llama", tmp_path)
     ours = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"))
-    runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, dtype=torch.bfloat16)
+    runner = ModelRunner(ours.model, num_blocks=32, block_size=BLOCK, kv_dtype=torch.bfloat16)
     prompt = list(range(3, 30))
     pool = BlockPool(32)
     request_ = Sequence("r", prompt, SamplingParams(max_tokens=8))
