@@ -34,7 +34,10 @@ def test_greedy_with_a_16_bit_cache_matches_transformers_reference(reference, kv
     itself, which at these greedy steps does not change the most likely token. The prompts
     are prefilled in 16-token chunks, so later chunks read the earlier ones from the 16-bit cache
     (the prefill path), and every generated token reads it through decode attention."""
-    llm = LLM(num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16, block_size=8)
+    llm = LLM(
+        num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16, block_size=8,
+        quantization="none",  # transformers' exact weights
+    )  # fmt: skip
     results = reference["results"]
     outputs = llm.generate([r["prompt_ids"] for r in results], SamplingParams(temperature=0, max_tokens=32))
     for expected, output in zip(results, outputs, strict=True):

@@ -98,6 +98,14 @@ def test_matmul_matches_reference_on_quantized_activations(ggml_type, shape, isa
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_no_rows_give_no_rows(ggml_type, isa):
+    """A step in which no sequence samples asks the LM head for zero rows."""
+    raw = random_blocks(ggml_type, 8, 256, seed=6)
+    layer = QuantizedLinear.from_gguf(raw, ggml_type, 8, 256, bias=torch.ones(8))
+    assert layer(torch.empty(0, 256)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels):
     """From DEQUANTIZED_FROM_ROWS rows on, the activations are not quantized: fp32 rounding only.
     N spans two tiles and a padded group."""

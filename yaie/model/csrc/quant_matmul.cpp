@@ -209,8 +209,9 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const at
   const PackedWeights w = packed_view(qweight, scales, mins);
   TORCH_CHECK(x.size(1) == w.blocks * kBlock, "x has ", x.size(1), " features, the weight ", w.blocks * kBlock);
   const Kernels kernels = kernels_for(isa);
-  const QuantizedRows rows = quantize_rows(x, kernels.quantize_row);
   at::Tensor y = at::empty({x.size(0), w.groups * kGroupRows}, x.options());
+  if (x.size(0) == 0) return finish(y, out_features, bias);  // a step in which no row samples
+  const QuantizedRows rows = quantize_rows(x, kernels.quantize_row);
   float* yp = y.data_ptr<float>();
   // A chunk of at least ~64k multiply-adds: below that, waking the pool costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (x.size(0) * x.size(1) * kGroupRows));
