@@ -103,8 +103,9 @@ def _add_engine_args(add: Any) -> None:
         "--quantization",
         default="auto",
         choices=QUANTIZATIONS,
-        help="auto: a GGUF file's weights run as stored, a dense checkpoint in --dtype; none: dequantize "
-        "to --dtype (exact transformers parity); int8, int4: quantize a dense checkpoint at load",
+        help="auto: a GGUF file's or an AWQ/GPTQ checkpoint's weights run as stored, a dense checkpoint in "
+        "--dtype; none: dequantize to --dtype (exact transformers parity); int8, int4: quantize a dense "
+        "checkpoint at load",
     )
     add(
         "--kv-cache-dtype",
