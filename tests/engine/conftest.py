@@ -17,9 +17,10 @@ def reference() -> dict:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The bundled model with a roomy KV pool, shared by every engine test, in the default
-    quantization (the GGUF's weights as stored)."""
-    return LLM(num_kv_blocks=1024)
+    """The bundled model with a roomy KV pool, shared by every engine test, dense: the tests
+    compare one run's greedy tokens with another's (cached or not, batched or alone), and only
+    the dense path is batch-invariant (docs/quantization.md)."""
+    return LLM(num_kv_blocks=1024, quantization="none")
 
 
 @pytest.fixture(scope="session")

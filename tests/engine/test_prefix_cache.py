@@ -65,7 +65,7 @@ QUESTIONS = (
 @pytest.fixture(scope="module")
 def uncached() -> LLM:
     """The same model and pool size with prefix caching off: the reference for every output."""
-    return LLM(num_kv_blocks=1024, enable_prefix_caching=False)
+    return LLM(num_kv_blocks=1024, enable_prefix_caching=False, quantization="none")
 
 
 def chat(llm: LLM, system: str, *turns: str) -> list[int]:
@@ -201,7 +201,7 @@ SMALL_POOL = 40  # blocks: 640 tokens
 @pytest.fixture(scope="module")
 def small() -> LLM:
     """The bundled model with prefix caching on and a tiny KV pool."""
-    return LLM(num_kv_blocks=SMALL_POOL, max_num_seqs=16)
+    return LLM(num_kv_blocks=SMALL_POOL, max_num_seqs=16, quantization="none")
 
 
 def steps(llm: LLM) -> Iterator[list[RequestOutput]]:

@@ -58,6 +58,7 @@ def targets(tiny_target: str, tiny_gguf_q8: str) -> dict[str, tuple[str, dict[st
 @pytest.mark.parametrize("name", ["hf-int4", "hf-int8", "gguf-Q8_0"])
 def test_greedy_is_the_unquantized_models(targets: dict, name: str, situation: dict[str, Any]) -> None:
     model, extra, draft_type = targets[name]
+    situation = {**situation, "quantization": "none"}  # the target unquantized, a GGUF's too
     plain = LLM(model, **situation)
     expected = [out.outputs[0].token_ids for out in plain.generate(PROMPTS, GREEDY)]
     llm = LLM(model, speculative_config=_self(**extra), **situation)
