@@ -17,13 +17,8 @@ def reference() -> dict:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The bundled model with a roomy KV pool, shared by every engine test, dense: the tests
-    compare one run's greedy tokens with another's (cached or not, batched or alone), and only
-    the dense path is batch-invariant (docs/quantization.md)."""
+    """The bundled model with a roomy KV pool, shared by every engine test, dense: the one
+    transformers' reference outputs hold for, and the tests compare one run's greedy tokens with
+    another's (cached or not, batched or alone), which only the dense path keeps equal
+    (docs/quantization.md)."""
     return LLM(num_kv_blocks=1024, quantization="none")
-
-
-@pytest.fixture(scope="session")
-def exact_llm() -> LLM:
-    """The bundled model dequantized to fp32: the one transformers' reference outputs hold for."""
-    return LLM(num_kv_blocks=512, quantization="none")

@@ -15,26 +15,26 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 
 @pytest.mark.slow
-def test_greedy_matches_transformers_reference(exact_llm, reference):
+def test_greedy_matches_transformers_reference(llm, reference):
     results = reference["results"]
-    outputs = exact_llm.generate([r["prompt_ids"] for r in results], GREEDY)
+    outputs = llm.generate([r["prompt_ids"] for r in results], GREEDY)
     for expected, output in zip(results, outputs, strict=True):
         assert output.prompt_token_ids == expected["prompt_ids"]
         assert output.outputs[0].token_ids == expected["generated_ids"], expected["prompt"]
         stopped = expected["generated_ids"][-1] == reference["eos_token_id"]
         assert output.outputs[0].finish_reason == ("stop" if stopped else "length")
-    assert_no_leak(exact_llm)
+    assert_no_leak(llm)
 
 
 @pytest.mark.slow
-def test_chat_template_and_text_prompts_match_reference_ids(exact_llm, reference):
+def test_chat_template_and_text_prompts_match_reference_ids(llm, reference):
     for expected in reference["results"]:
         if expected["kind"] == "chat":
-            ids = exact_llm.encode_chat([{"role": "user", "content": expected["prompt"]}])
+            ids = llm.encode_chat([{"role": "user", "content": expected["prompt"]}])
         else:
-            ids = exact_llm.tokenizer(expected["prompt"]).input_ids
+            ids = llm.tokenizer(expected["prompt"]).input_ids
         assert ids == expected["prompt_ids"]
-    [chat] = exact_llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    [chat] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
     assert chat.outputs[0].text == "The capital of France is Paris."
 
 
@@ -59,14 +59,14 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_batched_requests_equal_each_request_alone(exact_llm):
+def test_batched_requests_equal_each_request_alone(llm):
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(16)]
-    together = exact_llm.generate(PROMPTS, params)
+    together = llm.generate(PROMPTS, params)
     for prompt, p, output in zip(PROMPTS, params, together, strict=True):
-        [alone] = exact_llm.generate([prompt], p)
+        [alone] = llm.generate([prompt], p)
         assert output.outputs[0].token_ids == alone.outputs[0].token_ids, prompt
         assert len(output.outputs[0].token_ids) == p.max_tokens
-    assert_no_leak(exact_llm)
+    assert_no_leak(llm)
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        # Set by CausalLM.pack() where the layer's weights are quantized (yaie/model/fused_decode.py).
+        # Set by CausalLM.pack() where the native decode call covers the layer (yaie/model/fused_decode.py).
         self.fused_decode: FusedDecode | None = None
 
     def forward(
