@@ -2,17 +2,19 @@
 it stops paying (what `disable_by_batch_size` should be).
 
     python benchmarks/speculative.py [--model PATH] [--configs JSON ...] [--clients 1 8 32]
-        [--max-tokens 128] [--repeats 3] [--quantization none] [--out benchmarks/results/speculative.json]
+        [--max-tokens 256] [--repeats 3] [--as-configured] [--quantization none]
+        [--out benchmarks/results/speculative.json]
 
-For each speculative config and each number of clients, the same greedy requests run with
-speculation off and on, alternating, in the same process (so both see the same machine load),
-and the script checks that both give the same tokens. Two prompt sets: `grounded` (the answer
-quotes or edits a text given in the prompt, where n-gram lookup should shine) and `chat` (open
-questions). Reported per config, set and client count: aggregate tok/s off and on, their ratio
-(read the ratios, not absolute figures, on shared machines), the acceptance rate and the mean
-accepted length (tokens per verifying step). Speculation is forced on at every batch size here
+For each speculative config and each number of clients, the same greedy chat requests (the
+model's chat template, stopping at its end of turn) run with speculation off and on,
+alternating, in the same process (so both see the same machine load), and the script checks
+that both give the same tokens. Two prompt sets: `grounded` (the answer quotes or edits a text
+given in the prompt, where n-gram lookup should shine) and `chat` (open questions). Reported per
+config, set and client count: output tok/s off and on (prompt time included), their ratio (read
+the ratios, not absolute figures, on shared machines), the acceptance rate and the mean accepted
+length (tokens per verifying step). By default speculation is forced on at every batch size
 (disable_by_batch_size is set to the largest client count) so that the curve shows where it
-stops paying.
+stops paying; --as-configured keeps the config's own threshold (what a user gets).
 
 `self` drafts with the model's quantized twin for the target run unquantized (both engines
 here run quantization "none"), e.g. --configs '{"method": "self", "num_speculative_tokens": 4}'.
@@ -32,14 +34,28 @@ from bench_utils import add_quantization_arg, make_console, write_report  # benc
 
 from yaie import LLM, SamplingParams
 
+# Each answer mostly restates a text given in the prompt (the model copies it through its chat
+# template), as in summarising, quoting or editing a document: where n-gram lookup should pay.
 GROUNDED = [
-    "Repeat the following text exactly: The quick brown fox jumps over the lazy dog. "
-    "The quick brown fox jumps over the lazy dog again and again.",
-    "Here is some code:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
-    "Rewrite it with type hints:\n",
-    "Summarise, quoting the key sentence: Speculative decoding lets a cheap proposer guess several "
-    "tokens that the large model then checks in one forward pass.",
+    "Repeat the following text exactly, word for word:\n\n"
+    "The river town wakes early. Before the sun clears the hills, the baker has lit his oven and the "
+    "ferryman has checked the ropes on his small wooden boat. By six the market square fills with "
+    "carts of apples, cabbages and fresh bread, and the smell of coffee drifts from the corner cafe. "
+    "Children run to school along the towpath while their parents argue about the price of fish. "
+    "At noon the bells of the old church ring twelve times, and everyone stops for lunch.",
+    "Add type hints to this Python code and return the whole code:\n\n"
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+    "    total = 0\n    for value in values:\n        total += (value - m) ** 2\n"
+    "    return total / len(values)\n\n\ndef normalise(values):\n    m = mean(values)\n"
+    "    s = variance(values) ** 0.5\n    return [(value - m) / s for value in values]\n",
+    "Fix the spelling mistakes in this text and write out the corrected text:\n\n"
+    "Our team meets every Monday morning to plan the week. We reveiw the open tasks, decide who "
+    "takes each one, and write the plan on the whiteboard. On Friday afternoon we look at the "
+    "board again, mark what was finished, and move the rest to the next week. This simple habbit "
+    "keeps everyone informed and stops small problems from growing into big ones.",
 ]
+# Open questions: the answer owes little to the prompt.
 CHAT = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -49,9 +65,11 @@ DEFAULT_CONFIGS = ['{"method": "ngram", "num_speculative_tokens": 4, "prompt_loo
 
 
 def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    """Greedy answers to `prompts` through the chat template, all at once; (seconds, tokens)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.chat(conversations, params)
     elapsed = time.perf_counter() - start
     return elapsed, [out.outputs[0].token_ids for out in outputs]
 
@@ -63,8 +81,13 @@ def main() -> None:
     parser.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="speculative configs, JSON")
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--as-configured",
+        action="store_true",
+        help="keep each config's disable_by_batch_size (default: speculate at every batch size)",
+    )
     add_quantization_arg(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -73,11 +96,13 @@ def main() -> None:
     plain = LLM(args.model, enable_prefix_caching=False, quantization=args.quantization)
     for raw in args.configs:
         config = json.loads(raw)
+        if not args.as_configured:
+            config = {**config, "disable_by_batch_size": max(args.clients)}
         spec = LLM(
             args.model,
             enable_prefix_caching=False,
             quantization=args.quantization,
-            speculative_config={**config, "disable_by_batch_size": max(args.clients)},
+            speculative_config=config,
         )
         for clients in args.clients:
             for name, prompt_set in (("grounded", GROUNDED), ("chat", CHAT)):
@@ -86,22 +111,24 @@ def main() -> None:
                 before = spec.engine.stats().spec_decode
                 times_off, times_on = [], []
                 same = True
+                tokens = 0
                 for _ in range(args.repeats):
                     t_off, tokens_off = run(plain, prompts, args.max_tokens)
                     t_on, tokens_on = run(spec, prompts, args.max_tokens)
                     times_off.append(t_off)
                     times_on.append(t_on)
                     same = same and tokens_off == tokens_on
+                    tokens = sum(len(t) for t in tokens_off)
                 after = spec.engine.stats().spec_decode
                 assert before is not None and after is not None
                 drafts = after.num_drafts - before.num_drafts
                 drafted = after.num_draft_tokens - before.num_draft_tokens
                 accepted = after.num_accepted_tokens - before.num_accepted_tokens
-                tokens = clients * args.max_tokens
                 row = {
                     "config": config,
                     "prompt_set": name,
                     "clients": clients,
+                    "output_tokens": tokens,
                     "tok_s_off": tokens / statistics.median(times_off),
                     "tok_s_on": tokens / statistics.median(times_on),
                     "acceptance_rate": accepted / drafted if drafted else 0.0,

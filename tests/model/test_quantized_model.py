@@ -41,7 +41,7 @@ from yaie.model.layers import Linear
 from yaie.model.llama import CausalLM
 from yaie.model.loader import LoadedModel, load_model, load_weights
 from yaie.model.loader_gguf import GGUFCheckpoint
-from yaie.model.quant import QuantizedLinear
+from yaie.model.quant import QuantizedEmbedding, QuantizedLinear
 
 CPU = torch.device("cpu")
 PROMPT = "the quick brown fox jumps over the lazy dog, hello world!"
@@ -136,7 +136,11 @@ def assert_dequantizes_to_dense(quantized: CausalLM, dense: CausalLM, types: dic
             assert layer.bias is None, name
         else:
             torch.testing.assert_close(layer.bias, dense_bias, rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(quantized.embed_tokens, dense.embed_tokens, rtol=0, atol=0)
+    # The file's embedding table stays quantized too; looking up every token gives the dense table.
+    assert isinstance(quantized.embed_tokens, QuantizedEmbedding)
+    every_token = torch.arange(dense.config.vocab_size)
+    torch.testing.assert_close(quantized.embed_tokens(every_token), dense.embed_tokens.weight, rtol=1e-6,
+                               atol=1e-7)  # fmt: skip
 
 
 def assert_logits_within_bound(ours: torch.Tensor, dense: torch.Tensor, relative: float = LOGITS_BOUND
@@ -199,6 +203,8 @@ def test_qwen2_tied_head_is_the_quantized_embedding(
     path = write(tmp_path, vocab, "qwen2", qwen2, qtype)
     ours = load(path, "auto")
     assert ours.model.lm_head.weight_type == qtype.name
+    # One table in memory: the embedding looks its rows up in the head's own tensors.
+    assert ours.model.embed_tokens.qweight.data_ptr() == ours.model.lm_head.qweight.data_ptr()
     types = dict.fromkeys(linear_names(NUM_LAYERS), qtype.name)
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
@@ -240,13 +246,11 @@ def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch)
 
 def test_quantized_weights_take_less_memory(tmp_path, vocab, llama, native_kernels):
     """Q4_1 keeps 20 bytes per 32 weights (5 bits a weight: its float16 scale and min are kept
-    as they are) where float32 takes 128: the linear layers shrink ~6x (a little less with the
-    row padding); the dense embedding table does not."""
+    as they are) where float32 takes 128: the weights, embedding table included, shrink ~6x (a
+    little less with the row padding and the dense norms)."""
     path = write(tmp_path, vocab, "llama", llama, Q.Q4_1)
     dense, ours = load(path, "none"), load(path, "auto")
-    embedding = ours.model.embed_tokens.nbytes
-    assert embedding == dense.model.embed_tokens.nbytes
-    assert ours.weight_bytes - embedding < (dense.weight_bytes - embedding) / 5.5
+    assert ours.weight_bytes < dense.weight_bytes / 5.5
 
 
 def test_engine_reports_quantization(tmp_path, vocab, llama, native_kernels):

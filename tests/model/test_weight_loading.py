@@ -76,7 +76,7 @@ def test_fused_projections_stack_their_shards_in_order():
         assert torch.equal(getattr(attn.qkv_proj, kind), expected)
     gate_up = torch.cat([weights[hf + "mlp.gate_proj.weight"], weights[hf + "mlp.up_proj.weight"]])
     assert torch.equal(mlp.gate_up_proj.weight, gate_up)
-    assert torch.equal(model.embed_tokens, weights["model.embed_tokens.weight"])
+    assert torch.equal(model.embed_tokens.weight, weights["model.embed_tokens.weight"])
     assert torch.equal(model.lm_head.weight, weights["lm_head.weight"])
     norm = weights["model.layers.0.input_layernorm.weight"]
     assert torch.equal(model.layers[0].input_layernorm.weight, norm)
@@ -97,7 +97,7 @@ def test_names_and_rows():
     k_bias = ("layers.3.self_attn.qkv_proj.bias", "k_proj")
     assert our_name("model.layers.3.self_attn.k_proj.bias", CONFIG) == k_bias
     assert our_name("model.layers.0.mlp.down_proj.weight", CONFIG) == ("layers.0.mlp.down_proj.weight", None)
-    assert our_name("model.embed_tokens.weight", CONFIG) == ("embed_tokens", None)
+    assert our_name("model.embed_tokens.weight", CONFIG) == ("embed_tokens.weight", None)
     assert our_name("lm_head.weight", CONFIG) == ("lm_head.weight", None)
     # q is 16 rows, k and v 8 each; gate and up the intermediate size each.
     assert [shard_rows(CONFIG, p) for p in ("q_proj", "k_proj", "v_proj")] == [

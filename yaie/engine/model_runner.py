@@ -37,7 +37,7 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.device = model.embed_tokens.device
+        self.device = model.device
         # One tensor for the whole cache: [layers, K/V, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,

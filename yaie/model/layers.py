@@ -12,6 +12,17 @@ from torch import nn
 from yaie.model import kernels
 
 
+class Embedding(nn.Module):
+    """Token ids -> rows of a dense [vocab, hidden] table (quantized tables: quant.QuantizedEmbedding)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))  # filled by the loader
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -11,14 +11,13 @@ The model knows only its own parameter names; yaie/model/loader.py maps checkpoi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from yaie.model import kernels
 from yaie.model.attention import AttentionMetadata, paged_attention
 from yaie.model.config import ModelConfig
 from yaie.model.fused_decode import FusedDecode
-from yaie.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
+from yaie.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -81,24 +80,30 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # An Embedding, or the loader's QuantizedEmbedding where the file stores the table quantized.
+        self.embed_tokens: nn.Module = Embedding(cfg.vocab_size, cfg.hidden_size)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # With tied embeddings the loader fills this with a copy of the embedding table.
+        # With tied embeddings the loader fills this with a copy of the embedding table (or, if
+        # the table is quantized, makes it the one table both use).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """[tokens] ids -> [tokens, hidden] final hidden states (normed)."""
-        residual = F.embedding(input_ids, self.embed_tokens)
+        residual = self.embed_tokens(input_ids)
         x = torch.zeros_like(residual)  # nothing to add before the first layer
         rope = self.rope(positions, residual.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
         return self.norm.add_forward(x, residual)[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -106,7 +111,7 @@ class CausalLM(nn.Module):
     def pack(self) -> None:
         """Switch every projection to its fast inference layout; call once, after loading. Also
         builds the native kernels now (if they can be), rather than in the first step."""
-        kernels.available(self.embed_tokens.device)
+        kernels.available(self.device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()

@@ -12,6 +12,7 @@ quantized rows of the shards are stacked the same way into one quantized layer.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
@@ -35,7 +36,7 @@ from yaie.model.layers import Linear
 from yaie.model.llama import CausalLM
 from yaie.model.loader_gguf import GGUFCheckpoint, QuantizedWeight
 from yaie.model.loader_hf import HFCheckpoint
-from yaie.model.quant import QuantizedLinear
+from yaie.model.quant import QuantizedEmbedding, QuantizedLinear
 from yaie.model.quantization import (
     float_bias,
     fuse,
@@ -62,8 +63,7 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 _FUSED_INTO = {shard: fused for fused, shards in PACKED_MODULES.items() for shard in shards}
-# HF names whose place in our model is not just their name without `model.`.
-RENAMED = {"model.embed_tokens.weight": "embed_tokens"}
+EMBEDDING = "embed_tokens.weight"
 
 
 def bundled_model_path() -> Path:
@@ -127,8 +127,6 @@ def our_name(hf_name: str, config: ModelConfig) -> tuple[str, str | None] | None
         return None  # recomputed from the config
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return None  # a copy of the embedding table
-    if hf_name in RENAMED:
-        return RENAMED[hf_name], None
     name = hf_name.removeprefix("model.")
     module, _, kind = name.rpartition(".")  # kind: weight or bias
     parent, _, leaf = module.rpartition(".")
@@ -152,7 +150,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
     """Copy HF-named tensors into the model's (partly fused) parameters; complain about a tensor
     with no place in the model, and about a parameter (or shard of one) left unfilled. Linear
     weights that come quantized replace their layers with QuantizedLinear; a quantized embedding
-    is dequantized for the lookup, and a tied LM head keeps it quantized."""
+    table stays quantized (QuantizedEmbedding), shared with the LM head where they are tied."""
     config = model.config
     params = dict(model.named_parameters())
     filled: set[tuple[str, str | None]] = set()
@@ -167,26 +165,38 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
         dest = params[name].data if shard is None else params[name].data[shard_rows(config, shard)]
         if dest.shape != tensor.shape:
             raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-        if isinstance(tensor, PACKED) and name != "embed_tokens":
+        if isinstance(tensor, PACKED):
             quantized.setdefault(name, {})[shard] = tensor
-        elif isinstance(tensor, PACKED):
-            dest.copy_(tensor.dense(dest.dtype))
-            if config.tie_word_embeddings:
+            if name == EMBEDDING and config.tie_word_embeddings:
                 quantized["lm_head.weight"] = {None: tensor}
         else:
             dest.copy_(tensor)
         filled.add(target)
     if config.tie_word_embeddings:
         if "lm_head.weight" not in quantized:
-            model.lm_head.weight.copy_(model.embed_tokens)
+            model.lm_head.weight.copy_(params[EMBEDDING])
         filled.add(("lm_head.weight", None))
     expected = {(name, shard) for name in params for shard in PACKED_MODULES.get(_module_of(name), (None,))}
     # A bias left out of a checkpoint is a zero bias, which is what Linear starts with.
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - filled if not n.endswith(".bias"))
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    embedding = quantized.pop(EMBEDDING, None)
     for name, shards in quantized.items():
         _place_quantized(model, name, shards)
+    if embedding is not None:
+        _place_quantized_embedding(model, embedding[None], params[EMBEDDING].dtype)
+
+
+def _place_quantized_embedding(model: CausalLM, table: Packed, dtype: torch.dtype) -> None:
+    """Look token embeddings up in the quantized table: the LM head's where the two are tied
+    and the head runs quantized, else a packed copy of the table's own."""
+    if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
+        embedding = QuantizedEmbedding.from_linear(model.lm_head, dtype)
+    else:
+        packed = quant.pack(table.unpacked())
+        embedding = QuantizedEmbedding(*packed, model.config.vocab_size, dtype, _types({None: table}))
+    replace_module(model, "embed_tokens", embedding)
 
 
 def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Packed]) -> None:
@@ -275,6 +285,7 @@ def load_model(
         tokenizer = tokenizer_future.result()
     module.eval()
     module.pack()
+    _return_freed_memory()
     types = weight_types(module)
     quantized = sorted(t for t in types if not t.startswith("torch."))
     kernel_isa = quant.isa() if quantized else "none"
@@ -291,6 +302,16 @@ def load_model(
         layers, kernel_isa, loaded.weight_bytes / 2**20,
     )  # fmt: skip
     return loaded
+
+
+def _return_freed_memory() -> None:
+    """Loading frees several times what it keeps (dense or unpacked copies of every weight), and
+    glibc's malloc keeps freed pages mapped for reuse, in each thread's arena: they stay in the
+    process's resident set until handed back. malloc_trim does that; other C libraries have no
+    such call and nothing is done."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _check_quantization(quantization: str, checkpoint: GGUFCheckpoint | HFCheckpoint, path: Path,

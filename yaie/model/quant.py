@@ -266,17 +266,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 [out_features, in_features]."""
-        groups, blocks, _ = self.qweight.shape
-        if self.mins is not None:
-            pairs = self.qweight.view(groups, blocks, 2, 1, BLOCK)
-            q = torch.cat([pairs & 0x0F, pairs >> 4], dim=3).view(groups, blocks, GROUP_ROWS, BLOCK).float()
-            w = q * self.scales.float()[..., None] + self.mins.float()[..., None]
-        else:
-            q = self.qweight.view(groups, blocks, GROUP_ROWS, 2, BLOCK // 2).float()
-            scales = self.scales.float()
-            halves = scales.view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
-            w = (q * halves[..., None]).view(groups, blocks, GROUP_ROWS, BLOCK)
-        w = w.permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, self.in_features)[: self.out_features]
+        w = dequantize_groups(self.qweight, self.scales, self.mins).flatten(0, 1)[: self.out_features]
         return w if self.in_order is None else w[:, torch.argsort(self.in_order)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,3 +291,60 @@ class QuantizedLinear(nn.Module):
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings looked up in a quantized table: each step dequantizes only the rows of
+    its tokens. A tied LM head's table serves both (`from_linear` shares its tensors), so a GGUF
+    file's embedding is held once, in its stored type, instead of also as a dense copy."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 num_embeddings: int, dtype: torch.dtype, weight_type: str = "quantized") -> None:
+        """Tensors in QuantizedLinear's layout, the table being [num_embeddings, dim]; lookups
+        return `dtype`, the model's."""
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = qweight.shape[1] * BLOCK
+        self.dtype = dtype
+        self.weight_type = weight_type
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+
+    @classmethod
+    def from_linear(cls, linear: QuantizedLinear, dtype: torch.dtype) -> QuantizedEmbedding:
+        """Look up in `linear`'s weight rows, sharing (not copying) its tensors."""
+        if linear.in_order is not None:
+            raise ValueError("a weight with permuted input features cannot serve as an embedding table")
+        return cls(linear.qweight, linear.scales, linear.mins, linear.out_features, dtype, linear.weight_type)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[tokens] ids -> [tokens, dim] in the model's dtype."""
+        # The kernels' layout interleaves rows in groups of GROUP_ROWS: dequantize each token's
+        # group (a few KiB) and keep its row.
+        groups = dequantize_groups(self.qweight, self.scales, self.mins, ids // GROUP_ROWS)
+        rows = groups[torch.arange(ids.shape[0], device=ids.device), ids % GROUP_ROWS]
+        return rows.to(self.dtype)
+
+
+def dequantize_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                      index: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed weight groups (csrc/quant_common.h's layout) as float32 [groups, GROUP_ROWS, K]:
+    every group, or the ones at `index`."""
+    if index is not None:
+        qweight, scales = qweight[index], scales[index]
+        mins = None if mins is None else mins[index]
+    groups, blocks, _ = qweight.shape
+    if mins is not None:
+        pairs = qweight.view(groups, blocks, 2, 1, BLOCK)
+        q = torch.cat([pairs & 0x0F, pairs >> 4], dim=3).view(groups, blocks, GROUP_ROWS, BLOCK).float()
+        w = q * scales.float()[..., None] + mins.float()[..., None]
+    else:
+        q = qweight.view(groups, blocks, GROUP_ROWS, 2, BLOCK // 2).float()
+        halves = scales.float().view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
+        w = (q * halves[..., None]).view(groups, blocks, GROUP_ROWS, BLOCK)
+    return w.permute(0, 2, 1, 3).reshape(groups, GROUP_ROWS, blocks * BLOCK)

@@ -6,8 +6,8 @@
               (yaie/model/int4_checkpoints.py); a dense checkpoint runs in --dtype.
   int8, int4  a dense checkpoint's linear layers quantized at load, a scale (and a min) per 32.
 
-Embedding lookups stay dense: the loader dequantizes the table for them, while a tied LM head
-multiplies by the quantized table. The layers themselves are yaie/model/quant.py's.
+A quantized embedding table stays quantized too: lookups dequantize only their tokens' rows,
+and a tied LM head multiplies by the same table. The layers themselves are yaie/model/quant.py's.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def weight_types(model: nn.Module) -> Counter[str]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights hold in memory: parameters and saved buffers (quantized blocks
-    and scales), and oneDNN's packed copies, which replace their layers' plain weights."""
-    tensors = list(model.state_dict().values())
+    and scales), and oneDNN's packed copies, which replace their layers' plain weights. A tensor
+    two modules share (a tied LM head's table, also the embedding's) counts once."""
+    tensors = list(model.state_dict(keep_vars=True).values())  # the modules' own tensor objects
     tensors += [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
-    return sum(int(t.nbytes) for t in tensors)
+    unique = {id(t): t for t in tensors}
+    return sum(int(t.nbytes) for t in unique.values())
