@@ -9,18 +9,26 @@ For each library:
   row a matcher walking its schema by tokens drawn at random among those its mask allows;
 - apply: the time to apply those bitmasks to float32 logits [B, V] in place;
 - and what a step of yaie pays with the chosen library: the sampler's GrammarMask processor
-  built (every constrained row's mask filled) and applied, at the same batch sizes.
+  built (every constrained row's mask filled, the rows in parallel) and applied, at the same
+  batch sizes;
+- with --throughput, the bundled model in the engine's default quantization serving 1, 8 and 32
+  clients in a closed loop (each sends its next request when the last one ends), every request
+  with a JSON schema of the test set against none, the two runs alternating: the tokens/s
+  ratio, the mean step time of the unconstrained run, and GrammarMask's cost above as a share
+  of that step.
 
 xgrammar is not one of yaie's dependencies; for this comparison install it without the triton
 it asks for (CPU only): pip install --no-deps xgrammar apache-tvm-ffi
 
     nice -n 19 python benchmarks/grammar_backends.py [--steps 40] [--threads 1]
+        [--throughput] [--repeats 3] [--tokens 384]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -36,6 +44,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from yaie import LLM
 from yaie.model.loader import bundled_model_path, load_tokenizer
 from yaie.sampling.processors import GrammarMask
 from yaie.sampling_params import SamplingParams
@@ -185,19 +194,80 @@ def time_yaie_mask(tokenizer: Any, vocab_size: int, schemas: list[str], batch: i
     return total / steps
 
 
+def closed_loop(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], clients: int, tokens: int
+) -> tuple[float, float]:
+    """(tokens/s, mean seconds a step) of `clients` clients in a closed loop until `tokens`
+    tokens are out; client requests cycle through (prompts[i], params[i])."""
+    engine, sent, out, steps = llm.engine, 0, 0, 0
+
+    def send() -> None:
+        nonlocal sent
+        engine.add_request(None, prompts[sent % len(prompts)], params[sent % len(params)])
+        sent += 1
+
+    for _ in range(clients):
+        send()
+    started = time.perf_counter()
+    while out < tokens:
+        for output in engine.step():
+            out += len(output.outputs[0].delta_token_ids)
+            if output.finished:
+                send()
+        steps += 1
+    elapsed = time.perf_counter() - started
+    while engine.has_unfinished_requests():  # drain, untimed
+        engine.step()
+    return out / elapsed, elapsed / steps
+
+
+def time_throughput(
+    schemas: list[str], names: list[str], masks: dict[int, float], repeats: int, tokens: int
+) -> None:
+    llm = LLM()  # the engine's defaults: quantized weights as the GGUF stores them
+    prompts = [
+        llm.encode_chat([{"role": "user", "content": f"Write a JSON object for this: {name}"}])
+        for name in names
+    ]
+    constrained = [
+        SamplingParams(max_tokens=64, structured_outputs=StructuredOutputs(json=schema)) for schema in schemas
+    ]
+    free = [SamplingParams(max_tokens=64) for _ in schemas]
+    closed_loop(llm, prompts, constrained, 8, tokens // 2)  # warm-up: grammars compiled, kernels built
+    print(f"\n{tokens} tokens a run, {repeats} runs each, alternating; medians:")
+    for clients in BATCHES:
+        runs: dict[str, list[tuple[float, float]]] = {"json": [], "free": []}
+        for _ in range(repeats):
+            runs["free"].append(closed_loop(llm, prompts, free, clients, tokens))
+            runs["json"].append(closed_loop(llm, prompts, constrained, clients, tokens))
+        rate = {kind: statistics.median(r for r, _ in values) for kind, values in runs.items()}
+        step = statistics.median(s for _, s in runs["free"])
+        print(
+            f"  {clients:2d} clients: JSON schema {rate['json']:6.1f} tok/s, none {rate['free']:6.1f} tok/s"
+            f" ({rate['json'] / rate['free']:.2f}x); unconstrained step {step * 1e3:6.2f} ms,"
+            f" GrammarMask {masks[clients] * 1e3:5.2f} ms = {masks[clients] / step:4.0%} of it"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--throughput", action="store_true", help="also serve clients (see above)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=384, help="tokens out per throughput run")
+    parser.add_argument("--skip-xgrammar", action="store_true", help="measure yaie's path only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(bundled_model_path())
     vocab_size = len(tokenizer)
-    schemas = [json.dumps(entry["schema"]) for entry in json.loads(SCHEMAS.read_text())]
+    entries = json.loads(SCHEMAS.read_text())
+    schemas = [json.dumps(entry["schema"]) for entry in entries]
+    names = [entry["name"].replace("_", " ") for entry in entries]
     print(f"vocabulary: {vocab_size} tokens; {len(schemas)} schemas; {args.threads} torch thread(s)")
-    makers: list[Callable[[Any, int], Any]] = [Xgrammar, Llguidance]
+    makers: list[Callable[[Any, int], Any]] = [Llguidance] if args.skip_xgrammar else [Xgrammar, Llguidance]
     for make in makers:
         started = time.perf_counter()
         backend = make(tokenizer, vocab_size)
@@ -215,9 +285,13 @@ def main() -> None:
                 f"   apply {apply * 1e3:6.3f} ms/step"
             )
     print("\nyaie's GrammarMask (llguidance), build + apply per step:")
+    masks = {}
     for batch in BATCHES:
-        seconds = time_yaie_mask(tokenizer, vocab_size, schemas, batch, args.steps)
-        print(f"  batch {batch:2d}: {seconds * 1e3:7.3f} ms/step")
+        masks[batch] = time_yaie_mask(tokenizer, vocab_size, schemas, batch, args.steps)
+        print(f"  batch {batch:2d}: {masks[batch] * 1e3:7.3f} ms/step")
+    if args.throughput:
+        torch.set_num_threads(os.cpu_count() or 1)  # the model runs on every core, as served
+        time_throughput(schemas, names, masks, args.repeats, args.tokens)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,17 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
 
 from yaie.sampling_params import SamplingParams
+from yaie.structured.backend import fill_masks
 
 if TYPE_CHECKING:
     from yaie.sampling.batch import SamplingSeq
+    from yaie.structured.backend import GrammarMatcher
 
 NEG_INF = float("-inf")
 BITS = 32  # tokens per word of a grammar bitmask
@@ -127,9 +129,9 @@ _BYTE_BIAS = torch.zeros(256, 8).masked_fill_(
 class GrammarMask(LogitsProcessor):
     """Bans, in the rows of sequences with structured outputs, every token their grammar does
     not allow next. Each such row's matcher fills its row of a bitmask (one bit per token, set
-    when allowed, see yaie/structured/backend.py), which becomes a row of 0 / -inf to add; the
-    other rows are not touched at all. Applied first, so that no bias or penalty works on a
-    token the grammar forbids."""
+    when allowed; all rows in parallel, see yaie/structured/backend.py), which becomes a row of
+    0 / -inf to add; the other rows are not touched at all. Applied first, so that no bias or
+    penalty works on a token the grammar forbids."""
 
     bans = True
 
@@ -142,16 +144,11 @@ class GrammarMask(LogitsProcessor):
         rows = [row for row, seq in enumerate(seqs) if seq.sampling_params.structured_outputs is not None]
         if not rows:
             return None
-        bitmask: torch.Tensor | None = None
-        vocab_size = 0
-        for i, row in enumerate(rows):
-            matcher = seqs[row].grammar
-            assert matcher is not None, "the engine gives every constrained sequence a matcher"
-            if bitmask is None:
-                vocab_size = matcher.vocab_size
-                bitmask = torch.empty(len(rows), -(-vocab_size // BITS), dtype=torch.int32)
-            matcher.fill_mask(bitmask, i)
-        assert bitmask is not None
+        matchers = [seqs[row].grammar for row in rows]
+        assert all(matchers), "the engine gives every constrained sequence a matcher"
+        vocab_size = cast("MaskFiller", matchers[0]).vocab_size
+        bitmask = torch.empty(len(rows), -(-vocab_size // BITS), dtype=torch.int32)
+        fill_masks(cast("list[GrammarMatcher]", matchers), bitmask)  # the engine's matchers
         # Byte k of a row holds tokens 8k..8k+7, lowest bit first (the words are little-endian).
         byte_ids = bitmask.to(device).view(torch.uint8).view(-1).int()
         bias = _BYTE_BIAS.to(device).index_select(0, byte_ids).view(len(rows), -1)[:, :vocab_size]

@@ -49,7 +49,8 @@ from yaie.sampling_params import SamplingParams
 from yaie.server import protocol as p
 from yaie.server.metrics import RequestTracker, ServerMetrics
 from yaie.server.web import PAGE_PATHS, web_router
-from yaie.structured.tools import ToolCall, ToolCallParser
+from yaie.structured import tool_formats
+from yaie.structured.tools import ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -342,6 +343,7 @@ class OpenAIServer:
         self.model_name = served_model_name
         self.limits = limits
         self.tokenizer = async_engine.tokenizer
+        self.tool_format = tool_formats.for_template(getattr(self.tokenizer, "chat_template", None))
         self.metrics = ServerMetrics(async_engine.stats)
         self.max_prompt_chars = async_engine.max_model_len * MAX_CHARS_PER_TOKEN
 
@@ -399,7 +401,7 @@ class OpenAIServer:
 
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(self.tool_format)
         self._check_num_seqs(1, params.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         messages = body.template_messages()
@@ -424,7 +426,7 @@ class OpenAIServer:
         roles = [p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)]
         yield chunk(roles)
         # With tools, each choice's text is split into content and calls as it streams.
-        parsers = [ToolCallParser() for _ in range(n)] if body.calls_tools else None
+        parsers = [self.tool_format.parser(body.tool_names) for _ in range(n)] if body.calls_tools else None
         async with contextlib.aclosing(generation.updates()) as updates:
             async for update in updates:
                 choice, index = update.choice, update.index

@@ -19,9 +19,9 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
 from yaie.sampling_params import SamplingParams
-from yaie.structured import tools as tool_format
 from yaie.structured.spec import PARAM as STRUCTURED_OUTPUTS
 from yaie.structured.spec import StructuredOutputs
+from yaie.structured.tool_formats import HERMES, ToolFormat
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds, and the engine adds the choice index
@@ -302,7 +302,9 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: a required call is one call
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, tool_format: ToolFormat = HERMES) -> SamplingParams:
+        """`tool_format` is the model's (yaie/structured/tool_formats.py): the format a required
+        call is constrained to."""
         for index, message in enumerate(self.messages):
             message.check(index)
         if self.top_logprobs is not None and not self.logprobs:
@@ -310,7 +312,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self._sampling_params(
             max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            structured_outputs=self._tool_call_grammar(),
+            structured_outputs=self._tool_call_grammar(tool_format),
         )
 
     @property
@@ -321,11 +323,16 @@ class ChatCompletionRequest(SamplingRequest):
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @property
+    def tool_names(self) -> list[str]:
+        """The names of the tools shown to the model (none with tool_choice "none")."""
+        return [tool["function"]["name"] for tool in self.tool_definitions or []]
+
+    @property
     def calls_tools(self) -> bool:
         """Whether the output is parsed for tool calls."""
         return self.tool_definitions is not None
 
-    def _tool_call_grammar(self) -> StructuredOutputs | None:
+    def _tool_call_grammar(self, tool_format: ToolFormat) -> StructuredOutputs | None:
         """For tool_choice "required" or a named function, the grammar of a valid call."""
         choice = self.tool_choice
         if choice is None or choice in ("none", "auto"):

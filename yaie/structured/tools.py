@@ -87,14 +87,15 @@ def _arguments(function: dict[str, Any]) -> Any:
     return arguments
 
 
-def call_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    """The JSON schema of one call of `tool` (an OpenAI tool definition)."""
+def call_schema(tool: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call of `tool` (an OpenAI tool definition), its arguments under
+    `arguments_key`."""
     function = tool["function"]
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 
@@ -132,7 +133,11 @@ def parse_call(body: str, index: int = 0) -> ToolCall | None:
     if not isinstance(arguments, dict):
         return None
     arguments_text = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(index, f"call_{uuid.uuid4().hex[:24]}", call["name"], arguments_text)
+    return ToolCall(index, new_call_id(), call["name"], arguments_text)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 # (kind, value): ("content", text) or ("call", ToolCall)
