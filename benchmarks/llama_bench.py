@@ -52,7 +52,15 @@ def yaie_tests(llm: LLM, prompt_len: int, gen: int, repeats: int) -> dict[str, f
     return {f"pp{prompt_len}": statistics.median(pp[1:]), f"tg{gen}": statistics.median(tg[1:])}
 
 
+def default_llama_bench() -> Path | None:
+    """Where benchmarks/peers/install_llamacpp.sh puts llama-bench, if it is there."""
+    binary = Path(os.environ.get("PEERS_DIR", "/tmp/peers")) / "llama.cpp/build/bin/llama-bench"
+    return binary if binary.exists() else None
+
+
 def llama_bench(binary: Path, model: Path, prompt_len: int, gen: int, repeats: int) -> dict[str, float]:
+    """llama-bench's pp<prompt_len> and tg<gen> tok/s (a length of 0 skips that test), with as
+    many threads as torch uses."""
     threads = torch.get_num_threads()
     command = [str(binary), "-m", str(model), "-t", str(threads), "-p", str(prompt_len), "-n", str(gen),
                "-r", str(repeats), "-o", "json"]  # fmt: skip
@@ -72,10 +80,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    default_binary = Path(os.environ.get("PEERS_DIR", "/tmp/peers")) / "llama.cpp/build/bin/llama-bench"
-    parser.add_argument(
-        "--llama-bench", type=Path, default=default_binary if default_binary.exists() else None
-    )
+    parser.add_argument("--llama-bench", type=Path, default=default_llama_bench())
     add_quantization_arg(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

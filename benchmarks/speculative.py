@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from bench_utils import add_quantization_arg, make_console, write_report  # benchmarks/ is the script's folder
+from llama_bench import default_llama_bench, llama_bench
 
 from yaie import LLM, SamplingParams
+from yaie.model.loader import resolve_model_path
 
 # Each answer mostly restates a text given in the prompt (the model copies it through its chat
 # template), as in summarising, quoting or editing a document: where n-gram lookup should pay.
@@ -88,11 +90,26 @@ def main() -> None:
         action="store_true",
         help="keep each config's disable_by_batch_size (default: speculate at every batch size)",
     )
+    parser.add_argument(
+        "--llama-bench",
+        type=Path,
+        default=default_llama_bench(),
+        help="report llama-bench's tg<max-tokens> on the same file beside ours (default: if installed)",
+    )
     add_quantization_arg(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     console = make_console()
     results: list[dict[str, Any]] = []
+    peer: list[float] = []
+    model = resolve_model_path(args.model)
+
+    def llama_cpp_tg() -> None:
+        if args.llama_bench and model.suffix == ".gguf":
+            figures = llama_bench(args.llama_bench, model, 0, args.max_tokens, args.repeats)
+            peer.append(figures[f"tg{args.max_tokens}"])
+
+    llama_cpp_tg()
     plain = LLM(args.model, enable_prefix_caching=False, quantization=args.quantization)
     for raw in args.configs:
         config = json.loads(raw)
@@ -144,8 +161,15 @@ def main() -> None:
                     f"mean length {row['mean_accepted_length']:.2f}  identical={same}"
                 )
         del spec  # its KV cache (and a draft's) goes before the next config's engine takes one
+    llama_cpp_tg()
+    if peer:
+        console.print(
+            f"llama.cpp on the same file, one sequence (llama-bench tg{args.max_tokens}, before and after): "
+            + ", ".join(f"{tg:.1f}" for tg in peer) + " tok/s"
+        )
     if args.out:
-        report = {"args": sys.argv[1:], "quantization": args.quantization, "results": results}
+        report = {"args": sys.argv[1:], "quantization": args.quantization, "results": results,
+                  "llama_cpp_tg": peer}  # fmt: skip
         write_report(args.out, report, console)
 
 
