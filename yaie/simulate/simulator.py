@@ -212,8 +212,10 @@ class _Simulation:
         if self.scenario.static:
             # Padding: every member of the batch, finished or not, computes the longest one's tokens.
             width = self.static_batch_size
-            longest = max(item.num_new_tokens for item in items)
-            padded = StepShape(width * longest, width * max(item.context_len for item in items), width)
+            tokens = width * max(item.num_new_tokens for item in items)
+            prefill = any(not item.decoding for item in items)
+            kv_tokens = width * max(item.context_len for item in items)
+            padded = StepShape(tokens if prefill else 0, 0 if prefill else tokens, kv_tokens, width)
             return self.cost.step_time(padded)
         k = self.scenario.spec_tokens
         if not k:
@@ -221,12 +223,12 @@ class _Simulation:
         # The target verifies k drafts + 1 per decoding sequence; the draft model runs k times.
         decoding = [item for item in items if item.decoding]
         shape = step_shape(items)
-        verified = StepShape(
-            shape.num_tokens + sum(k + 1 - item.num_new_tokens for item in decoding),
-            shape.num_kv_tokens + k * len(decoding),
-            shape.num_sampled,
+        verified = replace(
+            shape,
+            num_decode_tokens=shape.num_decode_tokens + sum(k + 1 - item.num_new_tokens for item in decoding),
+            num_kv_tokens=shape.num_kv_tokens + k * len(decoding),
         )
-        draft = StepShape(len(decoding), sum(item.context_len for item in decoding), len(decoding))
+        draft = StepShape(0, len(decoding), sum(item.context_len for item in decoding), len(decoding))
         return self.cost.step_time(verified) + k * self.settings.draft_cost_ratio * self.cost.step_time(draft)
 
     def _emit_tokens(self, items: list[StepItem]) -> None:
