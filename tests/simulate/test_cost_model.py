@@ -107,3 +107,24 @@ def test_yaie_bench_fit_cost_model_writes_a_model_simulate_loads(tiny_model: str
     assert cost.fixed_s + cost.prefill_step_s > 0.0  # a step takes time
     assert cost.engine["block_size"] == 16 and cost.engine["num_kv_blocks"] > 0
     assert json.loads(out.read_text())["engine"]["model"]
+
+
+def test_requests_reach_the_engine_one_front_end_overhead_apart() -> None:
+    from dataclasses import replace
+
+    from yaie.simulate import EngineSettings, Request, Scenario, Traffic, simulate
+
+    settings = EngineSettings(num_kv_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+    # Decode-only prices: a step costs 10 ms and a prompt 1 ms more per token.
+    cost = CostModel(0.01, 0.0, 1e-3, 0.0, 0.0)
+    requests = [Request(f"r{i}", [1 + i] * 10, 1) for i in range(3)]  # all sent at 0
+    direct = simulate(Traffic(requests), Scenario.parse("continuous"), settings, cost)
+    assert [r.first_token_s for r in direct.records] == pytest.approx([0.01 + 30 * 1e-3] * 3)  # one step
+    # With 4 ms each in front: r0 reaches the engine at 4 ms and is computed alone (20 ms); r1
+    # (8 ms) and r2 (12 ms) wait for that step and share the next one.
+    cost = replace(cost, request_overhead_s=0.004)
+    delayed = simulate(Traffic(requests), Scenario.parse("continuous"), settings, cost)
+    first = {r.request_id: r.first_token_s for r in delayed.records}
+    assert first["r0"] == pytest.approx(0.004 + 0.02)
+    assert first["r1"] == pytest.approx(0.024 + 0.03) and first["r2"] == first["r1"]
+    assert all(r.arrival_s == 0.0 for r in delayed.records)  # TTFT counts from the send

@@ -2,8 +2,10 @@
 
 Every step the real scheduler picks the batch; the cost model says how long it takes; the clock
 moves on by that much; sequences that sampled get a token (random ids: only their count matters,
-except to multi-turn prompts, which carry them into the next turn). Arrivals between steps join
-the queue at the next step, as they would join the engine's.
+except to multi-turn prompts, which carry them into the next turn). A request reaches the engine
+the cost model's `request_overhead_s` after it was sent, behind the requests sent before it (a
+server's front end takes them one at a time), and joins the queue at the next step, as it would
+join the engine's. Its times to first token and to the end count from when it was sent.
 
 Scenarios change the engine, not the loop:
   * static: the classic baseline (Hugging Face `generate` over a batch): a batch of up to
@@ -146,7 +148,8 @@ class _Simulation:
             budget, scenario.prefix_caching,
         )  # fmt: skip
         self.clock = 0.0
-        self.arrivals: list[tuple[float, int, Request]] = []  # heap by time, then order of release
+        self.arrivals: list[tuple[float, int, Request]] = []  # heap by time sent, then order of release
+        self.front_end_free = 0.0  # when the front end is done with the last request it took
         self.released = 0
         self.backlog: deque[Request] = deque()  # closed loop: requests no client has sent yet
         self.queue: deque[tuple[float, Request]] = deque()  # arrived, not yet scheduled (static)
@@ -169,7 +172,7 @@ class _Simulation:
                 if self.engine.has_unfinished:  # waiting work that the pool can never take
                     raise SimulationError("the scheduler cannot place any waiting request")
                 if self.arrivals:
-                    self.clock = max(self.clock, self.arrivals[0][0])
+                    self.clock = max(self.clock, self._next_ready())
                 continue
             self.clock += self._step_time(items)
             self.result.num_steps += 1
@@ -190,9 +193,14 @@ class _Simulation:
         heapq.heappush(self.arrivals, (at, self.released, request))
         self.released += 1
 
+    def _next_ready(self) -> float:
+        """When the front end hands the engine the next request sent."""
+        return max(self.arrivals[0][0], self.front_end_free) + self.cost.request_overhead_s
+
     def _admit_arrivals(self) -> None:
-        while self.arrivals and self.arrivals[0][0] <= self.clock:
+        while self.arrivals and (ready := self._next_ready()) <= self.clock:
             at, _, request = heapq.heappop(self.arrivals)
+            self.front_end_free = ready
             self.queue.append((at, request))
         if self.scenario.static:
             if self.engine.has_unfinished or not self.queue:
