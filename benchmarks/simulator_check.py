@@ -136,7 +136,9 @@ def main() -> int:
             f"{ttft['simulated']:.3f}",
             f"{ttft['error']:+.1%}",
         )
-    Console(width=150).print(table)
+    console = Console(width=150)
+    console.print(cost.describe())
+    console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "serve_args": serve_args,

@@ -76,7 +76,7 @@ class CostModel:
     engine: dict[str, Any] = field(default_factory=dict)
 
     def step_time(self, shape: StepShape) -> float:
-        coefficients = [getattr(self, name) for name in COEFFICIENTS]
+        coefficients: list[float] = [getattr(self, name) for name in COEFFICIENTS]
         return sum(c * x for c, x in zip(coefficients, shape.features(), strict=True))
 
     @classmethod
@@ -125,7 +125,7 @@ class CostModel:
         weights = 1.0 / target
         features = np.array([shape.features() for shape in shapes]) * weights[:, None]
         active = [i for i in range(features.shape[1]) if features[:, i].any()]  # unseen: cost 0
-        solution = np.zeros(0)
+        solution: Any = np.zeros(0)
         while active:
             solution, *_ = np.linalg.lstsq(features[:, active], target * weights, rcond=None)
             if solution.min() >= 0:
