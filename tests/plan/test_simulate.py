@@ -12,8 +12,10 @@ import pytest
 from yaie.simulate import (
     CostModel,
     EngineSettings,
+    Request,
     Scenario,
     SimulationError,
+    Traffic,
     TrafficSpec,
     load_trace,
     simulate,
@@ -166,3 +168,14 @@ def test_cli_json_with_a_cost_model_file(tmp_path: Path, capsys: pytest.CaptureF
     assert report["settings"]["num_kv_blocks"] == 512 and report["settings"]["max_num_seqs"] == 8
     assert [s["scenario"] for s in report["scenarios"]] == ["static", "continuous"]
     assert all(s["requests"] == 12 for s in report["scenarios"])
+
+
+def test_history_leaves_its_prompts_in_the_prefix_cache() -> None:
+    prompts = [[7] * 64 + [i] for i in range(4)]  # one shared 64-token prefix
+    requests = [Request(f"r{i}", prompt, 8) for i, prompt in enumerate(prompts)]
+    scenario = Scenario.parse("continuous+prefix")
+    cold = simulate(Traffic(requests, clients=4), scenario, SETTINGS, COST)
+    warm = simulate(Traffic(requests, clients=4, history=[prompts[0]]), scenario, SETTINGS, COST)
+    assert [r.cached_tokens for r in cold.records] == [0] * 4  # admitted together: nothing to share yet
+    assert [r.cached_tokens for r in warm.records] == [64] * 4
+    assert summarize(warm)["ttft_p50_s"] < summarize(cold)["ttft_p50_s"]

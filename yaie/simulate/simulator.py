@@ -156,6 +156,7 @@ class _Simulation:
         self.live: dict[Sequence, _Live] = {}
         self.static_batch_size = 0
         self.result = SimulationResult(scenario.name, [])
+        self._serve_history(traffic.history)
         if traffic.clients is None:
             for request in traffic.requests:
                 self._release(request, request.arrival_s)
@@ -180,6 +181,15 @@ class _Simulation:
             self.result.kv_timeline.append((self.clock, self.engine.num_used_blocks / self.engine.num_blocks))
         self.result.num_preemptions = self.engine.num_preemptions
         return self.result
+
+    def _serve_history(self, prompts: list[list[int]]) -> None:
+        """Compute each prompt and finish it, in no time and unrecorded: what stays behind is
+        the prefix cache's content."""
+        for index, prompt in enumerate(prompts):
+            seq = self.engine.add(f"history-{index}", prompt)
+            while not any(item.samples and item.seq is seq for item in self.engine.step()):
+                pass
+            self.engine.finish(seq)
 
     # -- arrivals -----------------------------------------------------------------------------
 
