@@ -43,17 +43,21 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+def level_prompts(tokenizer: Any, args: argparse.Namespace, level: int, count: int) -> list[list[int]]:
+    """The prompts `yaie bench` sends at level number `level` (-1: its warm-up requests)."""
+    return [chat_prompt(tokenizer, build_messages(args.prompt_set, i, level, 1000)) for i in range(count)]
+
+
 def simulated_level(
     tokenizer: Any, args: argparse.Namespace, level: int, concurrency: int, cost: CostModel
 ) -> dict[str, Any]:
-    requests = [
-        Request(
-            f"{level}-{i}",
-            chat_prompt(tokenizer, build_messages(args.prompt_set, i, level, 1000)),
-            args.max_tokens,
-        )
-        for i in range(args.num_requests)
-    ]
+    prompts = level_prompts(tokenizer, args, level, args.num_requests)
+    requests = [Request(f"{level}-{i}", prompt, args.max_tokens) for i, prompt in enumerate(prompts)]
+    # The server has served its warm-up request and the levels before this one: its prefix cache
+    # holds their prompts, and a repeated prompt costs a few tokens, not all of them.
+    history = level_prompts(tokenizer, args, -1, 1)
+    for earlier in range(level):
+        history += level_prompts(tokenizer, args, earlier, args.num_requests)
     engine = cost.engine
     settings = EngineSettings(
         num_kv_blocks=int(engine["num_kv_blocks"]),
@@ -62,7 +66,8 @@ def simulated_level(
         max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
     )
     scenario = Scenario.parse("continuous+prefix" if engine.get("prefix_caching", True) else "continuous")
-    return summarize(simulate(Traffic(requests, clients=concurrency), scenario, settings, cost))
+    traffic = Traffic(requests, clients=concurrency, history=history)
+    return summarize(simulate(traffic, scenario, settings, cost))
 
 
 def main() -> int:
@@ -136,7 +141,9 @@ def main() -> int:
             f"{ttft['simulated']:.3f}",
             f"{ttft['error']:+.1%}",
         )
-    Console(width=150).print(table)
+    console = Console(width=150)
+    console.print(cost.describe())
+    console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "serve_args": serve_args,

@@ -473,12 +473,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# Step shapes timed for the fit: one prompt of each length (prefill: many tokens, one sample),
-# then batches of each size at each context (decode: one token and one sample per sequence).
+# Step shapes timed for the fit, chosen so that every coefficient of the cost model moves on its
+# own: one prompt of each length (prefill: many tokens, one sample); batches of each size at each
+# context (decode: one token and one sample per sequence; their prompts, several to a step, are
+# prefills that sample several times, and the long ones are chunks that sample nothing); and
+# decoding batches that prompts join one per step (mixed steps, as a server's are while requests
+# come and go).
 FIT_PROMPT_LENS = (16, 64, 256, 1024, 2048)
 FIT_BATCHES = (1, 4, 8, 16, 32)
 FIT_CONTEXTS = (32, 512)
 FIT_DECODE_STEPS = 16
+FIT_MIXED_BATCHES = (4, 16)
+FIT_JOINING_PROMPT_LENS = (8, 32, 128, 512)
 
 
 def fit_cost_model(config: EngineConfig) -> tuple[CostModel, float]:
@@ -490,16 +496,7 @@ def fit_cost_model(config: EngineConfig) -> tuple[CostModel, float]:
     from yaie.simulate.cost_model import CostModel  # yaie.simulate reuses this module's percentile
 
     engine = Engine(config)
-    budget = min(config.max_num_batched_tokens, engine.max_model_len - FIT_DECODE_STEPS)
-    _run_timed(engine, [min(16, budget)], 4, [], [])  # warm-up: first-call costs are not step costs
-    shapes: list[StepShape] = []
-    seconds: list[float] = []
-    for length in FIT_PROMPT_LENS:
-        _run_timed(engine, [min(length, budget)], 1, shapes, seconds)
-    for batch in FIT_BATCHES:
-        for context in FIT_CONTEXTS:
-            lengths = [min(context, budget)] * min(batch, config.max_num_seqs)
-            _run_timed(engine, lengths, FIT_DECODE_STEPS, shapes, seconds)
+    shapes, seconds = time_steps(engine)
     settings = {
         "model": str(engine.model_info.path),
         "block_size": config.block_size,
@@ -513,18 +510,49 @@ def fit_cost_model(config: EngineConfig) -> tuple[CostModel, float]:
     return cost, percentile(errors, 50) or 0.0
 
 
+def time_steps(engine: Engine) -> tuple[list[StepShape], list[float]]:
+    """The shapes and times of the steps the fit runs on `engine` (see FIT_PROMPT_LENS)."""
+    config = engine.config
+    budget = min(config.max_num_batched_tokens, engine.max_model_len - FIT_DECODE_STEPS)
+    _run_timed(engine, [min(16, budget)], 4, [], [])  # warm-up: first-call costs are not step costs
+    shapes: list[StepShape] = []
+    seconds: list[float] = []
+    for length in FIT_PROMPT_LENS:
+        _run_timed(engine, [min(length, budget)], 1, shapes, seconds)
+    for batch in FIT_BATCHES:
+        for context in FIT_CONTEXTS:
+            lengths = [min(context, budget)] * min(batch, config.max_num_seqs)
+            _run_timed(engine, lengths, FIT_DECODE_STEPS, shapes, seconds)
+    for batch in FIT_MIXED_BATCHES:
+        lengths = [min(FIT_CONTEXTS[0], budget)] * min(batch, config.max_num_seqs - 1)
+        joining = tuple(min(length, budget - batch) for length in FIT_JOINING_PROMPT_LENS)
+        _run_timed(engine, lengths, FIT_DECODE_STEPS, shapes, seconds, joining)
+    return shapes, seconds
+
+
 def _run_timed(
-    engine: Engine, prompt_lens: list[int], max_tokens: int, shapes: list[StepShape], seconds: list[float]
+    engine: Engine,
+    prompt_lens: list[int],
+    max_tokens: int,
+    shapes: list[StepShape],
+    seconds: list[float],
+    joining: tuple[int, ...] = (),
 ) -> None:
-    """Run requests of random (so uncached) prompts to the end, recording each step's shape and time."""
+    """Run requests of random (so uncached) prompts to the end, recording each step's shape and
+    time. Once they decode, a one-token request of each `joining` length joins, one per step."""
     from yaie.sampling_params import SamplingParams
     from yaie.simulate.adapter import step_items, step_shape
 
     rng = random.Random(len(shapes))
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    for length in prompt_lens:
+
+    def add(length: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         engine.add_request(None, [rng.randrange(vocab) for _ in range(length)], params)
+
+    for length in prompt_lens:
+        add(length, max_tokens)
+    waiting = list(joining)
     scheduler = engine.scheduler
     schedule = scheduler.schedule
     scheduled: list[StepShape] = []
@@ -544,6 +572,8 @@ def _run_timed(
             if shape.num_tokens:
                 shapes.append(shape)
                 seconds.append(elapsed)
+            if waiting and shape.num_sampled:  # the batch is past its prompts: it decodes
+                add(waiting.pop(0), 1)
     finally:
         del scheduler.schedule  # back to the class's method
 

@@ -504,11 +504,7 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         cost, error = bench.fit_cost_model(config)
         cost.save(Path(args.fit_cost_model))
-        console.print(
-            f"step time = {cost.fixed_s * 1e3:.3f} ms + {cost.per_token_s * 1e6:.2f} us/token "
-            f"+ {cost.per_kv_token_s * 1e9:.2f} ns/KV token read + {cost.per_sample_s * 1e6:.2f} us/sample "
-            f"(median error {error:.1%}); wrote {args.fit_cost_model}"
-        )
+        console.print(f"{cost.describe()} (median step error {error:.1%}); wrote {args.fit_cost_model}")
         return 0
 
     with socket.socket() as probe:  # a free loopback port for the server

@@ -12,9 +12,10 @@ import pytest
 from yaie.simulate import (
     CostModel,
     EngineSettings,
+    Request,
     Scenario,
     SimulationError,
-    StepShape,
+    Traffic,
     TrafficSpec,
     load_trace,
     simulate,
@@ -24,7 +25,10 @@ from yaie.simulate import (
 
 # A small GPU-like engine: a fixed cost that rewards batching, a per-token cost that makes long
 # prompts expensive, attention that grows with context.
-COST = CostModel(fixed_s=0.01, per_token_s=1e-4, per_kv_token_s=1e-7, per_sample_s=1e-5)
+COST = CostModel(
+    fixed_s=0.01, prefill_step_s=0.0, per_prefill_token_s=1e-4, per_decode_token_s=1e-4, per_kv_token_s=1e-7,
+    per_sample_s=1e-5,
+)  # fmt: skip
 SETTINGS = EngineSettings(num_kv_blocks=4096, block_size=16, max_num_seqs=32, max_num_batched_tokens=1024)
 
 
@@ -139,23 +143,6 @@ def test_bad_scenarios(text: str) -> None:
         Scenario.parse(text)
 
 
-def test_fit_recovers_known_coefficients() -> None:
-    truth = CostModel(fixed_s=0.02, per_token_s=3e-4, per_kv_token_s=2e-7, per_sample_s=1e-4)
-    measured = [(1, 100, 1), (8, 4000, 8), (512, 512, 1), (32, 20000, 32), (2048, 2048, 1), (64, 300, 0)]
-    shapes = [StepShape(*shape) for shape in measured]
-    fitted = CostModel.fit(shapes, [truth.step_time(s) for s in shapes])
-    assert fitted.fixed_s == pytest.approx(truth.fixed_s)
-    assert fitted.per_token_s == pytest.approx(truth.per_token_s)
-    assert fitted.per_kv_token_s == pytest.approx(truth.per_kv_token_s)
-    assert fitted.per_sample_s == pytest.approx(truth.per_sample_s)
-
-
-def test_fit_keeps_costs_non_negative() -> None:
-    shapes = [StepShape(n, n, 1) for n in (1, 2, 4, 8, 16)]
-    fitted = CostModel.fit(shapes, [0.05 - 0.001 * n for n in (1, 2, 4, 8, 16)])
-    assert min(fitted.fixed_s, fitted.per_token_s, fitted.per_kv_token_s, fitted.per_sample_s) >= 0.0
-
-
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from yaie.simulate import plot
@@ -172,9 +159,8 @@ def test_cli_json_with_a_cost_model_file(tmp_path: Path, capsys: pytest.CaptureF
     from yaie.cli import main
 
     cost_file = tmp_path / "cost.json"
-    CostModel(0.01, 1e-4, 1e-7, engine={"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 8}).save(
-        cost_file
-    )
+    engine = {"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 8}
+    CostModel(0.01, 0.0, 1e-4, 1e-4, 1e-7, engine=engine).save(cost_file)
     argv = ["simulate", "--cost-model", str(cost_file), "--num-requests", "12", "--prompt-len", "64:128",
             "--output-len", "8:16", "--compare", "static,continuous", "--json"]  # fmt: skip
     assert main(argv) == 0
@@ -182,3 +168,14 @@ def test_cli_json_with_a_cost_model_file(tmp_path: Path, capsys: pytest.CaptureF
     assert report["settings"]["num_kv_blocks"] == 512 and report["settings"]["max_num_seqs"] == 8
     assert [s["scenario"] for s in report["scenarios"]] == ["static", "continuous"]
     assert all(s["requests"] == 12 for s in report["scenarios"])
+
+
+def test_history_leaves_its_prompts_in_the_prefix_cache() -> None:
+    prompts = [[7] * 64 + [i] for i in range(4)]  # one shared 64-token prefix
+    requests = [Request(f"r{i}", prompt, 8) for i, prompt in enumerate(prompts)]
+    scenario = Scenario.parse("continuous+prefix")
+    cold = simulate(Traffic(requests, clients=4), scenario, SETTINGS, COST)
+    warm = simulate(Traffic(requests, clients=4, history=[prompts[0]]), scenario, SETTINGS, COST)
+    assert [r.cached_tokens for r in cold.records] == [0] * 4  # admitted together: nothing to share yet
+    assert [r.cached_tokens for r in warm.records] == [64] * 4
+    assert summarize(warm)["ttft_p50_s"] < summarize(cold)["ttft_p50_s"]

@@ -38,7 +38,8 @@ def step_items(output: SchedulerOutput) -> list[StepItem]:
 
 def step_shape(items: list[StepItem]) -> StepShape:
     return StepShape(
-        num_tokens=sum(item.num_new_tokens for item in items),
+        num_prefill_tokens=sum(item.num_new_tokens for item in items if not item.decoding),
+        num_decode_tokens=sum(item.num_new_tokens for item in items if item.decoding),
         num_kv_tokens=sum(item.context_len for item in items),
         num_sampled=sum(item.samples for item in items),
     )

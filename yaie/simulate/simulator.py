@@ -2,8 +2,10 @@
 
 Every step the real scheduler picks the batch; the cost model says how long it takes; the clock
 moves on by that much; sequences that sampled get a token (random ids: only their count matters,
-except to multi-turn prompts, which carry them into the next turn). Arrivals between steps join
-the queue at the next step, as they would join the engine's.
+except to multi-turn prompts, which carry them into the next turn). A request reaches the engine
+the cost model's `request_overhead_s` after it was sent, behind the requests sent before it (a
+server's front end takes them one at a time), and joins the queue at the next step, as it would
+join the engine's. Its times to first token and to the end count from when it was sent.
 
 Scenarios change the engine, not the loop:
   * static: the classic baseline (Hugging Face `generate` over a batch): a batch of up to
@@ -146,13 +148,15 @@ class _Simulation:
             budget, scenario.prefix_caching,
         )  # fmt: skip
         self.clock = 0.0
-        self.arrivals: list[tuple[float, int, Request]] = []  # heap by time, then order of release
+        self.arrivals: list[tuple[float, int, Request]] = []  # heap by time sent, then order of release
+        self.front_end_free = 0.0  # when the front end is done with the last request it took
         self.released = 0
         self.backlog: deque[Request] = deque()  # closed loop: requests no client has sent yet
         self.queue: deque[tuple[float, Request]] = deque()  # arrived, not yet scheduled (static)
         self.live: dict[Sequence, _Live] = {}
         self.static_batch_size = 0
         self.result = SimulationResult(scenario.name, [])
+        self._serve_history(traffic.history)
         if traffic.clients is None:
             for request in traffic.requests:
                 self._release(request, request.arrival_s)
@@ -169,7 +173,7 @@ class _Simulation:
                 if self.engine.has_unfinished:  # waiting work that the pool can never take
                     raise SimulationError("the scheduler cannot place any waiting request")
                 if self.arrivals:
-                    self.clock = max(self.clock, self.arrivals[0][0])
+                    self.clock = max(self.clock, self._next_ready())
                 continue
             self.clock += self._step_time(items)
             self.result.num_steps += 1
@@ -177,6 +181,15 @@ class _Simulation:
             self.result.kv_timeline.append((self.clock, self.engine.num_used_blocks / self.engine.num_blocks))
         self.result.num_preemptions = self.engine.num_preemptions
         return self.result
+
+    def _serve_history(self, prompts: list[list[int]]) -> None:
+        """Compute each prompt and finish it, in no time and unrecorded: what stays behind is
+        the prefix cache's content."""
+        for index, prompt in enumerate(prompts):
+            seq = self.engine.add(f"history-{index}", prompt)
+            while not any(item.samples and item.seq is seq for item in self.engine.step()):
+                pass
+            self.engine.finish(seq)
 
     # -- arrivals -----------------------------------------------------------------------------
 
@@ -190,9 +203,14 @@ class _Simulation:
         heapq.heappush(self.arrivals, (at, self.released, request))
         self.released += 1
 
+    def _next_ready(self) -> float:
+        """When the front end hands the engine the next request sent."""
+        return max(self.arrivals[0][0], self.front_end_free) + self.cost.request_overhead_s
+
     def _admit_arrivals(self) -> None:
-        while self.arrivals and self.arrivals[0][0] <= self.clock:
+        while self.arrivals and (ready := self._next_ready()) <= self.clock:
             at, _, request = heapq.heappop(self.arrivals)
+            self.front_end_free = ready
             self.queue.append((at, request))
         if self.scenario.static:
             if self.engine.has_unfinished or not self.queue:
@@ -212,8 +230,10 @@ class _Simulation:
         if self.scenario.static:
             # Padding: every member of the batch, finished or not, computes the longest one's tokens.
             width = self.static_batch_size
-            longest = max(item.num_new_tokens for item in items)
-            padded = StepShape(width * longest, width * max(item.context_len for item in items), width)
+            tokens = width * max(item.num_new_tokens for item in items)
+            prefill = any(not item.decoding for item in items)
+            kv_tokens = width * max(item.context_len for item in items)
+            padded = StepShape(tokens if prefill else 0, 0 if prefill else tokens, kv_tokens, width)
             return self.cost.step_time(padded)
         k = self.scenario.spec_tokens
         if not k:
@@ -221,12 +241,12 @@ class _Simulation:
         # The target verifies k drafts + 1 per decoding sequence; the draft model runs k times.
         decoding = [item for item in items if item.decoding]
         shape = step_shape(items)
-        verified = StepShape(
-            shape.num_tokens + sum(k + 1 - item.num_new_tokens for item in decoding),
-            shape.num_kv_tokens + k * len(decoding),
-            shape.num_sampled,
+        verified = replace(
+            shape,
+            num_decode_tokens=shape.num_decode_tokens + sum(k + 1 - item.num_new_tokens for item in decoding),
+            num_kv_tokens=shape.num_kv_tokens + k * len(decoding),
         )
-        draft = StepShape(len(decoding), sum(item.context_len for item in decoding), len(decoding))
+        draft = StepShape(0, len(decoding), sum(item.context_len for item in decoding), len(decoding))
         return self.cost.step_time(verified) + k * self.settings.draft_cost_ratio * self.cost.step_time(draft)
 
     def _emit_tokens(self, items: list[StepItem]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 VOCAB_SIZE = 32000  # ids are only compared for equality; any vocabulary far above the lengths will do
@@ -41,6 +41,9 @@ class Traffic:
     # Closed loop: this many clients each keep one request in flight, sending the next as soon as
     # theirs ends (how `yaie bench` loads a server). None: requests arrive at their arrival_s.
     clients: int | None = None
+    # Prompts the engine served before this traffic (a warm-up, an earlier benchmark level): with
+    # prefix caching their blocks are in the cache when it starts, as they are in a live server's.
+    history: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""The step-time cost model: its formula, its file format, and the fit `yaie bench --fit-cost-model`
+runs, on synthetic step records and on the steps of a real (tiny) engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from yaie.simulate import CostModel, StepShape
+from yaie.simulate.cost_model import COEFFICIENTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+
+TRUTH = CostModel(
+    fixed_s=0.02, prefill_step_s=0.03, per_prefill_token_s=1e-4, per_decode_token_s=6e-4,
+    per_kv_token_s=2e-7, per_sample_s=3e-4,
+)  # fmt: skip
+
+
+def test_the_formula_prices_prompt_and_decode_tokens_apart() -> None:
+    decode = StepShape(num_prefill_tokens=0, num_decode_tokens=8, num_kv_tokens=800, num_sampled=8)
+    assert TRUTH.step_time(decode) == pytest.approx(0.02 + 8 * 6e-4 + 800 * 2e-7 + 8 * 3e-4)
+    mixed = StepShape(num_prefill_tokens=100, num_decode_tokens=8, num_kv_tokens=900, num_sampled=9)
+    expected = 0.02 + 0.03 + 100 * 1e-4 + 8 * 6e-4 + 900 * 2e-7 + 9 * 3e-4
+    assert TRUTH.step_time(mixed) == pytest.approx(expected)
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    # (prefill tokens, decode tokens, KV tokens read, sampled): prompts alone, a chunk that does
+    # not sample, several prompts in one step, decodes, and decodes joined by a prompt.
+    measured = [(16, 0, 16, 1), (2048, 0, 2048, 1), (2048, 0, 2048, 0), (512, 0, 512, 4), (0, 1, 100, 1),
+                (0, 8, 4000, 8), (0, 32, 20000, 32), (64, 16, 1000, 17), (300, 4, 600, 5)]  # fmt: skip
+    shapes = [StepShape(*shape) for shape in measured]
+    fitted = CostModel.fit(shapes, [TRUTH.step_time(s) for s in shapes], {"block_size": 16})
+    for name in COEFFICIENTS:
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+    assert fitted.engine == {"block_size": 16}
+
+
+def test_fit_keeps_costs_non_negative() -> None:
+    shapes = [StepShape(n, n, 2 * n, 1 + n % 3) for n in (1, 2, 4, 8, 16, 32, 64)]
+    fitted = CostModel.fit(shapes, [0.05 - 0.0005 * n for n in (1, 2, 4, 8, 16, 32, 64)])
+    assert min(getattr(fitted, name) for name in COEFFICIENTS) >= 0.0
+    assert all(fitted.step_time(shape) > 0.0 for shape in shapes)
+
+
+def test_fit_needs_a_step_per_coefficient() -> None:
+    with pytest.raises(ValueError, match="at least 6 timed steps"):
+        CostModel.fit([StepShape(1, 0, 1, 1)] * 3, [0.1] * 3)
+
+
+def test_a_file_round_trips(tmp_path: Path) -> None:
+    cost = CostModel(0.01, 0.02, 1e-4, 2e-4, 1e-7, 1e-5, request_overhead_s=0.003, engine={"block_size": 16})
+    cost.save(tmp_path / "cost.json")
+    assert CostModel.load(tmp_path / "cost.json") == cost
+
+
+def test_a_file_with_one_per_token_price_loads_it_for_both_kinds_of_token() -> None:
+    old = {"fixed_s": 0.07, "per_token_s": 0.002, "per_kv_token_s": 7e-6, "per_sample_s": 0.0}
+    cost = CostModel.from_json(old)
+    assert cost.per_prefill_token_s == cost.per_decode_token_s == 0.002
+    assert cost.prefill_step_s == 0.0 and cost.request_overhead_s == 0.0
+
+
+def test_a_file_missing_a_coefficient_says_what_a_cost_model_needs() -> None:
+    with pytest.raises(ValueError, match="it needs fixed_s, per_prefill_token_s"):
+        CostModel.from_json({"fixed_s": 0.07, "per_kv_token_s": 7e-6})
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_models import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_model("llama", path, seed=0)
+    return str(path)
+
+
+def test_the_fit_steps_of_a_real_engine_tell_every_coefficient_apart(tiny_model: str) -> None:
+    from yaie.bench import time_steps
+    from yaie.config import EngineConfig
+    from yaie.engine.engine import Engine
+
+    shapes, seconds = time_steps(Engine(EngineConfig(model=tiny_model, kv_cache_memory=8 * 2**20)))
+    assert len(shapes) == len(seconds) and min(seconds) > 0
+    # Every feature varies independently of the others, so a fit pins down every coefficient:
+    # given these very shapes priced by a known model, it gives that model back.
+    assert np.linalg.matrix_rank(np.array([shape.features() for shape in shapes])) == len(COEFFICIENTS)
+    fitted = CostModel.fit(shapes, [TRUTH.step_time(s) for s in shapes])
+    for name in COEFFICIENTS:
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+    kinds = {(bool(s.num_prefill_tokens), bool(s.num_decode_tokens)) for s in shapes}
+    assert kinds == {(True, False), (False, True), (True, True)}  # prefill, decode and mixed steps
+
+
+def test_yaie_bench_fit_cost_model_writes_a_model_simulate_loads(tiny_model: str, tmp_path: Path) -> None:
+    from yaie.cli import main
+
+    out = tmp_path / "cost.json"
+    assert main(["bench", "--fit-cost-model", str(out), tiny_model, "--kv-cache-memory", "8MiB"]) == 0
+    cost = CostModel.load(out)
+    assert min(getattr(cost, name) for name in COEFFICIENTS) >= 0.0
+    assert cost.fixed_s + cost.prefill_step_s > 0.0  # a step takes time
+    assert cost.engine["block_size"] == 16 and cost.engine["num_kv_blocks"] > 0
+    assert json.loads(out.read_text())["engine"]["model"]
+
+
+def test_requests_reach_the_engine_one_front_end_overhead_apart() -> None:
+    from dataclasses import replace
+
+    from yaie.simulate import EngineSettings, Request, Scenario, Traffic, simulate
+
+    settings = EngineSettings(num_kv_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+    # Decode-only prices: a step costs 10 ms and a prompt 1 ms more per token.
+    cost = CostModel(0.01, 0.0, 1e-3, 0.0, 0.0)
+    requests = [Request(f"r{i}", [1 + i] * 10, 1) for i in range(3)]  # all sent at 0
+    direct = simulate(Traffic(requests), Scenario.parse("continuous"), settings, cost)
+    assert [r.first_token_s for r in direct.records] == pytest.approx([0.01 + 30 * 1e-3] * 3)  # one step
+    # With 4 ms each in front: r0 reaches the engine at 4 ms and is computed alone (20 ms); r1
+    # (8 ms) and r2 (12 ms) wait for that step and share the next one.
+    cost = replace(cost, request_overhead_s=0.004)
+    delayed = simulate(Traffic(requests), Scenario.parse("continuous"), settings, cost)
+    first = {r.request_id: r.first_token_s for r in delayed.records}
+    assert first["r0"] == pytest.approx(0.004 + 0.02)
+    assert first["r1"] == pytest.approx(0.024 + 0.03) and first["r2"] == first["r1"]
+    assert all(r.arrival_s == 0.0 for r in delayed.records)  # TTFT counts from the send
