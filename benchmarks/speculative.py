@@ -6,7 +6,8 @@ it stops paying (what `disable_by_batch_size` should be).
         [--out benchmarks/results/speculative.json]
 
 For each speculative config and each number of clients, the same greedy chat requests (the
-model's chat template, stopping at its end of turn) run with speculation off and on,
+model's chat template, stopping at its end of turn; every prompt of a set at least once, in
+waves of `clients` requests) run with speculation off and on,
 alternating, in the same process (so both see the same machine load), and the script checks
 that both give the same tokens. Two prompt sets: `grounded` (the answer quotes or edits a text
 given in the prompt, where n-gram lookup should shine) and `chat` (open questions). Reported per
@@ -66,14 +67,17 @@ CHAT = [
 DEFAULT_CONFIGS = ['{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}']
 
 
-def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
-    """Greedy answers to `prompts` through the chat template, all at once; (seconds, tokens)."""
+def run(llm: LLM, prompts: list[str], clients: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Greedy answers to `prompts` through the chat template, `clients` at a time (each wave
+    after the last); (seconds, tokens)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+    tokens = []
     start = time.perf_counter()
-    outputs = llm.chat(conversations, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, [out.outputs[0].token_ids for out in outputs]
+    for wave in range(0, len(conversations), clients):
+        outputs = llm.chat(conversations[wave : wave + clients], params)
+        tokens += [out.outputs[0].token_ids for out in outputs]
+    return time.perf_counter() - start, tokens
 
 
 def main() -> None:
@@ -123,15 +127,16 @@ def main() -> None:
         )
         for clients in args.clients:
             for name, prompt_set in (("grounded", GROUNDED), ("chat", CHAT)):
-                prompts = [prompt_set[i % len(prompt_set)] for i in range(clients)]
-                run(plain, prompts, 8), run(spec, prompts, 8)  # warm-up
+                # Every prompt of the set at least once: one client answers them in turn.
+                prompts = [prompt_set[i % len(prompt_set)] for i in range(max(clients, len(prompt_set)))]
+                run(plain, prompts[:clients], clients, 8), run(spec, prompts[:clients], clients, 8)  # warm-up
                 before = spec.engine.stats().spec_decode
                 times_off, times_on = [], []
                 same = True
                 tokens = 0
                 for _ in range(args.repeats):
-                    t_off, tokens_off = run(plain, prompts, args.max_tokens)
-                    t_on, tokens_on = run(spec, prompts, args.max_tokens)
+                    t_off, tokens_off = run(plain, prompts, clients, args.max_tokens)
+                    t_on, tokens_on = run(spec, prompts, clients, args.max_tokens)
                     times_off.append(t_off)
                     times_on.append(t_on)
                     same = same and tokens_off == tokens_on
