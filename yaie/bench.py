@@ -13,7 +13,11 @@ from --concurrency workers that each keep one request in flight, and reports per
 - TTFT (time to first token): from sending the request to the first chunk that carries text;
 - TPOT (time per output token), per request: (e2e - ttft) / (output tokens - 1);
 - e2e latency: from sending the request to the end of its stream;
-- requests and errors (HTTP errors, error events in the stream, timeouts).
+- requests and errors (HTTP errors, error events in the stream, timeouts);
+- with speculative decoding on the server: the acceptance rate (accepted / proposed draft
+  tokens) and the mean accepted length (tokens a verifying step yields: 1 + accepted / drafts),
+  from the server's spec_decode_* counters in /metrics before and after the level (vLLM's
+  names, with or without its `vllm:` prefix).
 
 Output tokens are the server's own count (usage.completion_tokens, asked for through
 stream_options.include_usage); a server that sends no usage is counted in text chunks instead.
@@ -53,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -166,6 +171,9 @@ class LevelResult:
     num_requests: int
     duration_s: float
     requests: list[RequestResult] = field(default_factory=list)
+    # The server's speculative-decoding counters over the level (SPEC_COUNTERS), set by
+    # run_bench; None where the server keeps none.
+    spec: dict[str, float] | None = None
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.requests if r.error is None]
@@ -192,7 +200,33 @@ class LevelResult:
             "e2e_p50_s": percentile(e2es, 50),
             "e2e_p99_s": percentile(e2es, 99),
             "error_samples": sorted({r.error for r in self.requests if r.error})[:5],
+            **self.spec_summary(),
         }
+
+    def spec_summary(self) -> dict[str, float | None]:
+        drafts = self.spec["spec_decode_num_drafts"] if self.spec else 0
+        if not self.spec or not drafts:
+            return {"spec_acceptance_rate": None, "spec_mean_accepted_length": None}
+        accepted = self.spec["spec_decode_num_accepted_tokens"]
+        return {
+            "spec_acceptance_rate": accepted / self.spec["spec_decode_num_draft_tokens"],
+            "spec_mean_accepted_length": 1 + accepted / drafts,
+        }
+
+
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def spec_counters(metrics_text: str) -> dict[str, float] | None:
+    """SPEC_COUNTERS' totals in a Prometheus exposition (yaie's names, or vLLM's with `vllm:`
+    before them); None if it lacks any of them."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:  # counters' samples end in _total (summed over labels)
+            name = sample.name.removeprefix("vllm:")
+            if name.endswith("_total") and (counter := name.removesuffix("_total")) in SPEC_COUNTERS:
+                totals[counter] = totals.get(counter, 0.0) + sample.value
+    return totals if len(totals) == len(SPEC_COUNTERS) else None
 
 
 def percentile(values: list[float], pct: float) -> float | None:
@@ -376,8 +410,19 @@ async def run_bench(
             console=console,
         ) as progress:
             for level, concurrency in enumerate(levels):
-                outcomes.append(await run_level(client, config, concurrency, num_requests, level, progress))
+                before = await server_spec_counters(client, config)
+                outcome = await run_level(client, config, concurrency, num_requests, level, progress)
+                after = await server_spec_counters(client, config)
+                if before is not None and after is not None:
+                    outcome.spec = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+                outcomes.append(outcome)
     return outcomes
+
+
+async def server_spec_counters(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, float] | None:
+    """The server's speculative-decoding counters now; None where it serves no such metrics."""
+    response = await client.get(config.base_url.rstrip("/") + "/metrics", headers=config.headers)
+    return spec_counters(response.text) if response.status_code == 200 else None
 
 
 def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
@@ -386,6 +431,8 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
 
 def results_table(label: str, summaries: list[dict[str, Any]]) -> Table:
     table = Table(title=f"{label}: streaming chat completions")
+    speculating = any(s["spec_acceptance_rate"] is not None for s in summaries)
+    spec_headers = ("accepted", "mean len") if speculating else ()
     for header in (
         "conc",
         "reqs",
@@ -400,6 +447,7 @@ def results_table(label: str, summaries: list[dict[str, Any]]) -> Table:
         "p99",
         "prompt tok",
         "out tok",
+        *spec_headers,
     ):
         table.add_column(header, justify="right")
     for s in summaries:
@@ -417,7 +465,9 @@ def results_table(label: str, summaries: list[dict[str, Any]]) -> Table:
             _fmt(s["e2e_p99_s"], digits=2),
             _fmt(s["mean_prompt_tokens"], digits=0),
             _fmt(s["mean_output_tokens"], digits=1),
-        )
+            *((_fmt(s["spec_acceptance_rate"], digits=2), _fmt(s["spec_mean_accepted_length"], digits=2))
+              if speculating else ()),
+        )  # fmt: skip
     return table
 
 

@@ -101,6 +101,21 @@ def test_bench_starts_a_server_and_reports_every_level(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_bench_reports_speculative_acceptance(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    # n-gram lookup from a single token: a chat answer repeats some token of its prompt.
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "min_acceptance_rate": 0}
+    command = yaie_command("bench", "--concurrency", "1", "--num-requests", "2", "--max-tokens", "32")
+    command += ["--out", str(out), "--num-kv-blocks", "128", "--speculative-config", json.dumps(spec)]
+    result = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    [level] = json.loads(out.read_text())["levels"]
+    assert 0 <= level["spec_acceptance_rate"] <= 1
+    assert level["spec_mean_accepted_length"] >= 1
+    assert "mean len" in result.stdout
+
+
+@pytest.mark.slow
 def test_chat_with_a_server(server: Server, client: openai.OpenAI) -> None:
     max_tokens = 200
     expected = client.chat.completions.create(

@@ -1,0 +1,42 @@
+"""`yaie bench` reads speculative decoding's acceptance from a server's /metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from yaie.bench import LevelResult, spec_counters
+from yaie.engine.engine import EngineStats
+from yaie.server.metrics import ServerMetrics
+from yaie.spec.decoder import SpecDecodeStats
+
+
+def exposition(spec: SpecDecodeStats | None) -> str:
+    """What yaie's /metrics serves for these counters."""
+    stats = EngineStats(num_running=0, num_waiting=0, num_kv_blocks=8, num_used_kv_blocks=0,
+                        num_cached_kv_blocks=0, kv_block_bytes=64, num_preemptions=0,
+                        num_computed_prompt_tokens=0, spec_decode=spec)  # fmt: skip
+    return generate_latest(ServerMetrics(lambda: stats).registry).decode()
+
+
+def test_counters_from_yaie_and_vllm_expositions() -> None:
+    spec = SpecDecodeStats(num_drafts=10, num_draft_tokens=40, num_accepted_tokens=25,
+                           num_accepted_tokens_per_pos=[9, 7, 5, 4])  # fmt: skip
+    expected = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
+                "spec_decode_num_accepted_tokens": 25}  # fmt: skip
+    assert spec_counters(exposition(spec)) == expected
+    vllm = "\n".join(
+        f"# TYPE vllm:{name} counter\nvllm:{name}_total{{model_name=\"m\"}} {value}"
+        for name, value in expected.items()
+    )
+    assert spec_counters(vllm + "\n") == expected
+    assert spec_counters(exposition(None)) is None  # a server that does not speculate
+
+
+def test_level_summary_reports_acceptance() -> None:
+    level = LevelResult(concurrency=1, num_requests=0, duration_s=1.0)
+    assert level.summary()["spec_acceptance_rate"] is None
+    level.spec = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
+                  "spec_decode_num_accepted_tokens": 25}  # fmt: skip
+    summary = level.summary()
+    assert summary["spec_acceptance_rate"] == 25 / 40
+    assert summary["spec_mean_accepted_length"] == 1 + 25 / 10
