@@ -9,8 +9,8 @@ read more than it would without the log.
 Steps are summed into one bin per wall-clock second (what the charts plot), and the last few
 steps are kept as they were (what the batch looked like). Everything is bounded. Both are kept as
 columns, one list per field, which is also how `to_json` gives them: a snapshot then copies a few
-lists and its JSON has no per-row keys (a third of the bytes to write, send and parse, four
-times a second, for every open page).
+lists rather than building a dict per row, and its JSON repeats no keys (fewer bytes to write,
+send and parse, four times a second, for every open page).
 
 Pure Python: no torch, like the scheduler it reads.
 """
@@ -31,8 +31,8 @@ NUM_EVENTS = 100
 # Arrival times of requests that have not produced a token yet. Aborted requests never pop
 # theirs, so the oldest are dropped past this many.
 NUM_ARRIVALS = 4096
-# Seconds are kept to the microsecond: finer than any chart draws, and a float's JSON is then at
-# most a few digits after the point rather than seventeen.
+# Times (in seconds) are kept to the microsecond: finer than any chart draws, and a float's JSON
+# then has at most six digits after the point, not seventeen.
 DECIMALS = 6
 
 
