@@ -134,6 +134,12 @@ def main() -> int:
         "output_tok_s_without_pages": without,
         "output_tok_s_with_pages": with_pages,
         "slowdown": 1 - with_pages / without,
+        # Each round with pages against the round without just before it: the spread shows
+        # how much of the difference is the machine's noise.
+        "slowdown_per_pair": [
+            1 - paged["output_tok_s"] / plain["output_tok_s"]
+            for plain, paged in zip(rounds[::2], rounds[1::2], strict=True)
+        ],
         "snapshot_cost_ms_median": statistics.median(costs) if costs else None,
         "snapshot_cost_ms_max": max(costs, default=None),
     }

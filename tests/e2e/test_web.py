@@ -6,6 +6,7 @@ downloads are not used. The run also writes screenshots of both pages to docs/im
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ import openai
 import pytest
 from e2e_helpers import MODEL, Server, start_server
 from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from yaie.engine.snapshot import SCHEMA_VERSION
 
 pytestmark = pytest.mark.slow
 
@@ -174,6 +177,8 @@ def test_stop_aborts_the_request_on_the_server(page: Page, server: Server) -> No
 def test_engine_view_shows_a_running_request_its_blocks_and_shared_prefixes(
     page: Page, server: Server, client: openai.OpenAI
 ) -> None:
+    errors: list[str] = []  # a script error would leave the parts drawn after it stale
+    page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(f"{server.base_url}/engine")
     expect(page.locator("#connection")).to_have_text("live", timeout=30_000)
     # A prompt of its own (the nonce), long enough to fill whole blocks, run once to cache it.
@@ -193,6 +198,8 @@ def test_engine_view_shows_a_running_request_its_blocks_and_shared_prefixes(
         node = page.locator("#tree .node", has_text=prefix[:8]).first
         expect(node).to_be_visible()
         assert int(node.get_attribute("data-hits") or 0) >= 1
+        # The counters read the step history: steps were recorded while the page watched.
+        expect(page.locator("#counters")).to_contain_text("% of a step")
         page.wait_for_timeout(2000)  # a few seconds of charts for the screenshot
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=SCREENSHOTS / "engine.png", full_page=True)
@@ -201,6 +208,7 @@ def test_engine_view_shows_a_running_request_its_blocks_and_shared_prefixes(
     expect(page.locator(f'#requests tr[data-request-id="{request_id}"]')).to_have_count(0, timeout=30_000)
     # Finished, its prompt stays cached: blocks held by the prefix cache alone.
     expect(page.locator(".block.c").first).to_be_visible()
+    assert not errors
 
 
 def test_event_stream_pushes_snapshots(server: Server) -> None:
@@ -209,7 +217,11 @@ def test_event_stream_pushes_snapshots(server: Server) -> None:
         lines = (line for line in response.iter_lines() if line.startswith("data: "))
         first, second = next(lines), next(lines)
     assert first != second  # each event is a new snapshot (its time differs)
-    assert '"version":1' in first and '"kv":' in first
+    snapshot = json.loads(first[len("data: ") :])
+    assert snapshot["version"] == SCHEMA_VERSION and "kv" in snapshot
+    # The history comes as columns: one list per field, all equally long.
+    for columns in (snapshot["history"]["seconds"], snapshot["history"]["recent_steps"]):
+        assert len({len(values) for values in columns.values()}) == 1
 
 
 # -- behind an API key -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""engine_snapshot on the bundled model: what the engine view is told, step by step."""
+"""EngineSnapshots on the bundled model: what the engine view is told, step by step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from engine_helpers import assert_no_leak
 
 from yaie import LLM, SamplingParams
-from yaie.engine.snapshot import engine_snapshot
+from yaie.engine.snapshot import LABEL_TOKENS, EngineSnapshots
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +24,14 @@ def test_snapshot_follows_a_request_from_prefill_to_the_prefix_cache(llm: LLM) -
     engine.step_log.watch()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     request_id = engine.add_request(None, prompt, params)
+    snapshots = EngineSnapshots(engine)
 
-    waiting = engine_snapshot(engine)
+    waiting = snapshots.take()
     [seq] = [s for s in waiting["sequences"] if s["request_id"] == request_id]
     assert seq["phase"] == "waiting" and seq["blocks"] == [] and seq["num_tokens"] == len(prompt)
 
     engine.step()
-    running = engine_snapshot(engine)
+    running = snapshots.take()
     [seq] = [s for s in running["sequences"] if s["request_id"] == request_id]
     assert seq["phase"] == "decode" and seq["num_computed_tokens"] == len(prompt)
     states = running["kv"]["states"]
@@ -38,16 +39,19 @@ def test_snapshot_follows_a_request_from_prefill_to_the_prefix_cache(llm: LLM) -
     # Its full prompt blocks were handed to the prefix cache when the prompt was done: shared.
     assert [states[b] for b in seq["blocks"]] == ["s", "s", "s", "u"]
     assert running["kv"]["num_used"] == sum(state in "us" for state in states)
-    assert running["history"]["recent_steps"][-1]["prefill_tokens"] == len(prompt)
+    assert running["history"]["recent_steps"]["prefill_tokens"][-1] == len(prompt)
 
     while engine.has_unfinished_requests():
         engine.step()
-    done = engine_snapshot(engine)
+    done = snapshots.take()
     assert not done["sequences"] and done["kv"]["num_used"] == 0
     [node] = [n for n in done["tree"] if n["blocks"] == seq["blocks"][:3]]
     assert node["parent"] == -1 and node["num_tokens"] == 3 * block_size and node["hits"] == 0
     assert {done["kv"]["states"][b] for b in node["blocks"]} == {"c"}
-    assert sum(bin_["num_ttft"] for bin_ in done["history"]["seconds"]) >= 1
+    # The label is decoded once, then kept: the next snapshot shows the same text.
+    assert node["text"] == engine.tokenizer.decode(prompt[:LABEL_TOKENS])
+    assert [n["text"] for n in snapshots.take()["tree"]] == [n["text"] for n in done["tree"]]
+    assert sum(done["history"]["seconds"]["num_ttft"]) >= 1
     json.dumps(done)  # JSON-ready as it is
     assert_no_leak(llm)
 
@@ -55,6 +59,6 @@ def test_snapshot_follows_a_request_from_prefill_to_the_prefix_cache(llm: LLM) -
 def test_steps_are_not_recorded_while_nobody_watches(llm: LLM) -> None:
     engine = llm.engine
     engine.step_log.watch(lease_s=0)
-    before = sum(bin_.steps for bin_ in engine.step_log.seconds)
+    before = sum(engine.step_log.to_json()["seconds"]["steps"])
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
-    assert sum(bin_.steps for bin_ in engine.step_log.seconds) == before
+    assert sum(engine.step_log.to_json()["seconds"]["steps"]) == before

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
+from yaie.engine import step_log
 from yaie.engine.scheduler import Scheduler
 from yaie.engine.sequence import Sequence
-from yaie.engine.step_log import NUM_RECENT_STEPS, StepLog
+from yaie.engine.step_log import HISTORY_S, NUM_RECENT_STEPS, StepLog
 from yaie.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -45,7 +49,13 @@ def step(scheduler: Scheduler, log: StepLog, draft: list[int] | None = None, kep
 
 
 def total(log: StepLog, field: str) -> float:
-    return sum(getattr(bin_, field) for bin_ in log.seconds)
+    return sum(log.to_json()["seconds"][field])
+
+
+def recent_steps(log: StepLog) -> list[dict[str, float]]:
+    """The recent steps, as rows (to_json gives one list per field)."""
+    columns = log.to_json()["recent_steps"]
+    return [dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)]
 
 
 def test_records_nothing_until_watched_and_stops_when_the_lease_ends() -> None:
@@ -56,7 +66,9 @@ def test_records_nothing_until_watched_and_stops_when_the_lease_ends() -> None:
     assert log.watched
     log.watch(lease_s=0)  # a lease that has already run out
     assert not log.watched
-    assert log.to_json() == {"seconds": [], "recent_steps": [], "events": []}
+    json_ready = log.to_json()
+    assert not json_ready["events"]
+    assert json_ready["seconds"]["steps"] == [] and json_ready["recent_steps"]["time"] == []
 
 
 def test_steps_split_into_prefill_and_decode_tokens_and_time_to_first_token() -> None:
@@ -66,15 +78,15 @@ def test_steps_split_into_prefill_and_decode_tokens_and_time_to_first_token() ->
     step(scheduler, log)  # a prompt chunk of 6
     step(scheduler, log)  # the last 4 prompt tokens, sampling the first token
     step(scheduler, log)  # decode: one token
-    steps = list(log.recent_steps)
-    assert [(s.prefill_tokens, s.decode_tokens) for s in steps] == [(6, 0), (4, 0), (0, 1)]
-    assert all(s.num_running == 1 and s.num_waiting == 0 and s.duration_s >= 0 for s in steps)
+    steps = recent_steps(log)
+    assert [(s["prefill_tokens"], s["decode_tokens"]) for s in steps] == [(6, 0), (4, 0), (0, 1)]
+    assert all(s["num_running"] == 1 and s["num_waiting"] == 0 and s["duration_s"] >= 0 for s in steps)
     assert total(log, "steps") == 3
     assert total(log, "prefill_tokens") == 10
     assert total(log, "sampled_tokens") == 2
     assert total(log, "num_ttft") == 1  # only the first token counts
     assert total(log, "ttft_sum_s") > 0
-    assert total(log, "busy_s") >= max(s.duration_s for s in steps)
+    assert total(log, "busy_s") >= max(s["duration_s"] for s in steps)
 
 
 def test_a_verifying_step_counts_every_token_it_kept() -> None:
@@ -85,7 +97,7 @@ def test_a_verifying_step_counts_every_token_it_kept() -> None:
     step(scheduler, log)  # the prompts, sampling a first token each
     step(scheduler, log, draft=[1, 2, 3], kept=2)  # each: 2 drafts kept, then its own token
     step(scheduler, log, draft=[1, 2, 3], kept=0)  # each: all rejected, its own token only
-    assert [s.decode_tokens for s in log.recent_steps] == [0, 2, 2]
+    assert [s["decode_tokens"] for s in recent_steps(log)] == [0, 2, 2]
     assert total(log, "sampled_tokens") == 2 + 2 * 3 + 2 * 1
 
 
@@ -126,7 +138,22 @@ def test_recent_steps_are_bounded() -> None:
     add(scheduler, log, "a", prompt_len=4)
     for _ in range(NUM_RECENT_STEPS + 5):
         step(scheduler, log)
-    assert len(log.recent_steps) == NUM_RECENT_STEPS
-    json_ready = log.to_json()
-    assert len(json_ready["recent_steps"]) == NUM_RECENT_STEPS
-    assert sum(bin_["steps"] for bin_ in json_ready["seconds"]) == NUM_RECENT_STEPS + 5
+    assert len(recent_steps(log)) == NUM_RECENT_STEPS
+    assert total(log, "steps") == NUM_RECENT_STEPS + 5
+
+
+def test_each_second_gets_one_bin_and_only_the_last_ones_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SimpleNamespace(now=1000.5)
+    # The bins follow time.time(); the lease and the step durations keep the real clocks.
+    fake = SimpleNamespace(time=lambda: clock.now, perf_counter=time.perf_counter, monotonic=time.monotonic)
+    monkeypatch.setattr(step_log, "time", fake)
+    scheduler, log = make_scheduler(), StepLog()
+    log.watch()
+    for second in range(HISTORY_S + 3):
+        clock.now = 1000.5 + second
+        step(scheduler, log)
+        step(scheduler, log)
+    seconds = log.to_json()["seconds"]
+    assert seconds["second"] == list(range(1003, 1000 + HISTORY_S + 3))
+    assert seconds["steps"] == [2] * HISTORY_S
+    assert all(len(column) == HISTORY_S for column in seconds.values())

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from yaie.engine.engine import Engine, EngineStats
-from yaie.engine.snapshot import engine_snapshot
+from yaie.engine.snapshot import EngineSnapshots
 from yaie.errors import YaieError
 from yaie.outputs import RequestOutput
 from yaie.sampling_params import SamplingParams
@@ -137,6 +137,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer  # decoding from other threads only reads it
         self.max_model_len = engine.model_info.max_model_len
         self.vocab_size = engine.model_info.vocab_size
+        self._snapshots = EngineSnapshots(engine)  # engine thread only
 
     # -- the event loop's side ----------------------------------------------------------------
 
@@ -237,7 +238,7 @@ class AsyncEngine:
 
         def take(engine: Engine) -> dict[str, Any]:
             engine.step_log.watch()
-            return engine_snapshot(engine)
+            return self._snapshots.take()
 
         return await self._call(take)
 

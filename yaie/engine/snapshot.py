@@ -1,9 +1,9 @@
 """The engine's state as the engine view draws it: one JSON-ready dict, read between two steps.
 
-`engine_snapshot(engine)` only reads; call it on the thread that runs the engine
-(`AsyncEngine.snapshot` does). The schema (version 1):
+`EngineSnapshots(engine).take()` only reads the engine; call it on the thread that runs the
+engine (`AsyncEngine.snapshot` does). The schema (version 2):
 
-    version      1
+    version      2
     time         Unix time of the snapshot
     cost_ms      what taking this snapshot cost the engine thread
     model        {name, architecture, max_model_len}
@@ -29,8 +29,18 @@
                   the edge), num_tokens, blocks, hits (prefix matches that reused it),
                   num_children, text (the edge's first LABEL_TOKENS tokens, decoded)}
     counters     {preemptions, evicted_blocks, computed_prompt_tokens}: totals since start
-    history      what the engine did while watched (yaie/engine/step_log.py):
-                 {seconds: [per-second bins], recent_steps: [...], events: [...]}
+    history      what the engine did while watched (yaie/engine/step_log.py), the first two as
+                 columns (one list per field, oldest first, equally long):
+                 {seconds: {second, steps, busy_s, max_step_s, prefill_tokens, sampled_tokens,
+                            ttft_sum_s, num_ttft, preemptions, evicted_blocks},
+                  recent_steps: {time, duration_s, prefill_tokens, decode_tokens, num_running,
+                                 num_waiting},
+                  events: [{time, kind: "preemption", request_id, index, num_tokens}
+                           or {time, kind: "eviction", num_blocks}]}
+
+What a snapshot costs the engine thread is mostly proportional to what it shows: the step log
+keeps its history ready to copy, and the tree's labels are decoded once per node, not once per
+snapshot.
 """
 
 from __future__ import annotations
@@ -43,44 +53,77 @@ from yaie.engine.sequence import Sequence
 if TYPE_CHECKING:
     from yaie.engine.engine import Engine
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TREE_DEPTH = 4
 TREE_NODES = 64
 LABEL_TOKENS = 12
 
 
-def engine_snapshot(engine: Engine) -> dict[str, Any]:
-    started = time.perf_counter()
-    scheduler, config = engine.scheduler, engine.config
-    cache = scheduler.prefix_cache
-    sequences = [_sequence(seq, running=True) for seq in scheduler.running]
-    sequences += [_sequence(seq, running=False) for seq in scheduler.waiting]
-    snapshot = {
-        "version": SCHEMA_VERSION,
-        "time": time.time(),
-        "model": {
-            "name": engine.model_info.path.name,
-            "architecture": engine.model_info.architecture,
-            "max_model_len": engine.max_model_len,
-        },
-        "config": {
-            "block_size": config.block_size,
-            "max_num_seqs": config.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens,
-            "prefix_caching": cache is not None,
-        },
-        "sequences": sequences,
-        "kv": _kv(engine),
-        "tree": None if cache is None else _tree(engine),
-        "counters": {
-            "preemptions": scheduler.num_preemptions,
-            "evicted_blocks": 0 if cache is None else cache.num_evicted_blocks,
-            "computed_prompt_tokens": scheduler.num_computed_prompt_tokens,
-        },
-        "history": engine.step_log.to_json(),
-    }
-    snapshot["cost_ms"] = (time.perf_counter() - started) * 1000
-    return snapshot
+class EngineSnapshots:
+    """Snapshots of one engine. Between two it keeps the labels of the tree nodes it showed:
+    decoding them was most of what the tree cost, and the top levels change rarely."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._labels: dict[tuple[int, ...], str] = {}  # a label's tokens -> its text
+
+    def take(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        engine = self.engine
+        scheduler, config = engine.scheduler, engine.config
+        cache = scheduler.prefix_cache
+        sequences = [_sequence(seq, running=True) for seq in scheduler.running]
+        sequences += [_sequence(seq, running=False) for seq in scheduler.waiting]
+        snapshot = {
+            "version": SCHEMA_VERSION,
+            "time": time.time(),
+            "model": {
+                "name": engine.model_info.path.name,
+                "architecture": engine.model_info.architecture,
+                "max_model_len": engine.max_model_len,
+            },
+            "config": {
+                "block_size": config.block_size,
+                "max_num_seqs": config.max_num_seqs,
+                "max_num_batched_tokens": config.max_num_batched_tokens,
+                "prefix_caching": cache is not None,
+            },
+            "sequences": sequences,
+            "kv": _kv(engine),
+            "tree": None if cache is None else self._tree(),
+            "counters": {
+                "preemptions": scheduler.num_preemptions,
+                "evicted_blocks": 0 if cache is None else cache.num_evicted_blocks,
+                "computed_prompt_tokens": scheduler.num_computed_prompt_tokens,
+            },
+            "history": engine.step_log.to_json(),
+        }
+        snapshot["cost_ms"] = (time.perf_counter() - started) * 1000
+        return snapshot
+
+    def _tree(self) -> list[dict[str, Any]]:
+        cache = self.engine.scheduler.prefix_cache
+        assert cache is not None
+        nodes = cache.top_levels(TREE_DEPTH, TREE_NODES)
+        # Only the labels of the nodes shown now are kept: TREE_NODES at most.
+        labels = {node.tokens[:LABEL_TOKENS]: "" for node in nodes}
+        for tokens in labels:
+            known = self._labels.get(tokens)
+            labels[tokens] = self.engine.tokenizer.decode(list(tokens)) if known is None else known
+        self._labels = labels
+        return [
+            {
+                "parent": node.parent,
+                "depth": node.depth,
+                "start": node.start,
+                "num_tokens": len(node.tokens),
+                "blocks": node.blocks,
+                "hits": node.hits,
+                "num_children": node.num_children,
+                "text": labels[node.tokens[:LABEL_TOKENS]],
+            }
+            for node in nodes
+        ]
 
 
 def _sequence(seq: Sequence, running: bool) -> dict[str, Any]:
@@ -117,20 +160,3 @@ def _kv(engine: Engine) -> dict[str, Any]:
         "states": states,
     }
 
-
-def _tree(engine: Engine) -> list[dict[str, Any]]:
-    cache = engine.scheduler.prefix_cache
-    assert cache is not None
-    return [
-        {
-            "parent": node.parent,
-            "depth": node.depth,
-            "start": node.start,
-            "num_tokens": len(node.tokens),
-            "blocks": node.blocks,
-            "hits": node.hits,
-            "num_children": node.num_children,
-            "text": engine.tokenizer.decode(list(node.tokens[:LABEL_TOKENS])),
-        }
-        for node in cache.top_levels(TREE_DEPTH, TREE_NODES)
-    ]

@@ -2,7 +2,7 @@
 // The snapshot's schema is documented in yaie/engine/snapshot.py.
 "use strict";
 
-const CHART_SECONDS = 120;
+const CHART_SECONDS = 120; // as many as the step log keeps (HISTORY_S, yaie/engine/step_log.py)
 const MAX_EVENTS = 30;
 const $ = (id) => document.getElementById(id);
 
@@ -21,9 +21,9 @@ function shortId(requestId) {
 
 function renderCounters(s) {
   const running = s.sequences.filter((seq) => seq.phase === "prefill" || seq.phase === "decode").length;
-  const recent = s.history.seconds.slice(-10);
-  const steps = recent.reduce((n, bin) => n + bin.steps, 0);
-  const meanStepMs = steps ? (1000 * recent.reduce((t, bin) => t + bin.busy_s, 0)) / steps : null;
+  const sum = (values) => values.reduce((total, value) => total + value, 0);
+  const steps = sum(s.history.seconds.steps.slice(-10));
+  const meanStepMs = steps ? (1000 * sum(s.history.seconds.busy_s.slice(-10))) / steps : null;
   const cost = meanStepMs ? ` (${((100 * s.cost_ms) / meanStepMs).toFixed(2)}% of a step)` : "";
   const counters = [
     ["running", running],
@@ -166,15 +166,16 @@ function drawLines(canvas, seconds, series, unit) {
   label(context, `max ${max < 10 ? max.toFixed(1) : Math.round(max)} ${unit}`);
 }
 
+// `steps`: the snapshot's recent_steps, one list per field.
 function drawBars(canvas, steps) {
   const context = fitCanvas(canvas);
   const { width, height } = canvas;
-  const maxPrefill = Math.max(1, ...steps.map((step) => step.prefill_tokens));
-  const maxDecode = Math.max(1, ...steps.map((step) => step.decode_tokens));
-  const slot = width / Math.max(steps.length, 50);
-  steps.forEach((step, i) => {
-    const prefill = (step.prefill_tokens / maxPrefill) * (height - 14);
-    const decode = (step.decode_tokens / maxDecode) * (height - 14);
+  const maxPrefill = Math.max(1, ...steps.prefill_tokens);
+  const maxDecode = Math.max(1, ...steps.decode_tokens);
+  const slot = width / Math.max(steps.time.length, 50);
+  steps.time.forEach((_, i) => {
+    const prefill = (steps.prefill_tokens[i] / maxPrefill) * (height - 14);
+    const decode = (steps.decode_tokens[i] / maxDecode) * (height - 14);
     context.fillStyle = "#e4a33b";
     context.fillRect(i * slot, height - prefill, slot / 2, prefill);
     context.fillStyle = "#3b82c4";
@@ -200,11 +201,13 @@ function label(context, text) {
 function renderCharts(s) {
   // One point per second, the seconds without steps included (no steps: no tokens).
   const now = Math.floor(s.time);
-  const bins = new Map(s.history.seconds.map((bin) => [bin.second, bin]));
+  const columns = s.history.seconds; // one list per field of a bin
+  const bin = (i) => Object.fromEntries(Object.entries(columns).map(([field, values]) => [field, values[i]]));
+  const bins = new Map(columns.second.map((second, i) => [second, bin(i)]));
   const seconds = [];
   for (let second = now - CHART_SECONDS; second <= now; second++) seconds.push(second);
   const pick = (f) => seconds.map((second) => (bins.has(second) ? f(bins.get(second)) : null));
-  const watched = seconds.map((second) => (second >= (s.history.seconds[0]?.second ?? now) ? 0 : null));
+  const watched = seconds.map((second) => (second >= (columns.second[0] ?? now) ? 0 : null));
   drawLines($("chart-throughput"), seconds, [
     { values: pick((bin) => bin.sampled_tokens).map((v, i) => v ?? watched[i]), colour: "#3b82c4" },
   ], "tok/s");
