@@ -18,20 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_utils import add_quantization_arg, machine_info, make_console, write_report
+from bench_utils import add_quantization_arg, machine_info, make_console, start_server, write_report
 
 from yaie.bench import BenchConfig, run_bench
-
-STARTUP_TIMEOUT_S = 300
 
 
 async def read_pages(base_url: str, num_pages: int, stop: asyncio.Event) -> list[float]:
@@ -66,28 +61,6 @@ async def measure(config: BenchConfig, args: argparse.Namespace, pages: int) -> 
         raise SystemExit(f"requests failed: {summary['error_samples']}")
     return {"pages": pages, "output_tok_s": summary["output_tok_s"], "tpot_p50_s": summary["tpot_p50_s"],
             "snapshot_cost_ms": costs}  # fmt: skip
-
-
-def start_server(serve_args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as probe:  # a free loopback port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "yaie.cli", "serve", "--port", str(port), "--host", "127.0.0.1"]
-    command += serve_args
-    server = subprocess.Popen(command)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return server, base_url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    server.terminate()
-    raise SystemExit("the server did not come up")
 
 
 def main() -> int:
