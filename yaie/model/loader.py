@@ -194,8 +194,7 @@ def _place_quantized_embedding(model: CausalLM, table: Packed, dtype: torch.dtyp
     if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
         embedding = QuantizedEmbedding.from_linear(model.lm_head, dtype)
     else:
-        packed = quant.pack(table.unpacked())
-        embedding = QuantizedEmbedding(*packed, model.config.vocab_size, dtype, _types({None: table}))
+        embedding = QuantizedEmbedding(*quant.pack(table.unpacked()), dtype)
     replace_module(model, "embed_tokens", embedding)
 
 

@@ -303,14 +303,10 @@ class QuantizedEmbedding(nn.Module):
     mins: torch.Tensor | None
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 num_embeddings: int, dtype: torch.dtype, weight_type: str = "quantized") -> None:
-        """Tensors in QuantizedLinear's layout, the table being [num_embeddings, dim]; lookups
-        return `dtype`, the model's."""
+                 dtype: torch.dtype) -> None:
+        """The table's tensors in QuantizedLinear's layout; lookups return `dtype`, the model's."""
         super().__init__()
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = qweight.shape[1] * BLOCK
         self.dtype = dtype
-        self.weight_type = weight_type
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
@@ -320,7 +316,7 @@ class QuantizedEmbedding(nn.Module):
         """Look up in `linear`'s weight rows, sharing (not copying) its tensors."""
         if linear.in_order is not None:
             raise ValueError("a weight with permuted input features cannot serve as an embedding table")
-        return cls(linear.qweight, linear.scales, linear.mins, linear.out_features, dtype, linear.weight_type)
+        return cls(linear.qweight, linear.scales, linear.mins, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[tokens] ids -> [tokens, dim] in the model's dtype."""
