@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from bench_utils import machine_info, make_console, start_server, write_report
 
-from yaie.config import QUANTIZATIONS
+from yaie.config import QUANTIZATIONS, EngineConfig
+from yaie.engine.model_runner import ModelRunner
 from yaie.model.config import ModelConfig
 from yaie.model.loader import open_checkpoint, resolve_model_path
-
-BLOCK_SIZE = 16  # yaie serve's default KV block size
-KV_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def rss_bytes(pid: int) -> int:
@@ -51,8 +50,8 @@ def measure(quantization: str, args: argparse.Namespace, config: ModelConfig) ->
     finally:
         server.terminate()
         server.wait(30)
-    per_block = BLOCK_SIZE * config.num_layers * 2 * config.num_kv_heads * config.head_dim
-    pool = args.num_kv_blocks * per_block * KV_ITEMSIZE[version["kv_cache_dtype"]]
+    kv_dtype = getattr(torch, version["kv_cache_dtype"])
+    pool = args.num_kv_blocks * ModelRunner.bytes_per_block(config, EngineConfig.block_size, kv_dtype)
     return {
         "quantization": quantization,
         "weights_as": version["quantization"],

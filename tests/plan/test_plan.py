@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -123,7 +122,7 @@ def test_bundled_model_budget_equals_the_engines_block_count() -> None:
     config = ModelConfig.from_hf(open_checkpoint(bundled_model_path()).hf_config())
     kv_cache_memory = 100 * (1 << 20) + 12345
     # The engine: num_blocks = kv_cache_memory // bytes_per_block, float32 cache on the CPU.
-    block_bytes = ModelRunner.bytes_per_block(SimpleNamespace(config=config), BLOCK, torch.float32)  # type: ignore[arg-type]
+    block_bytes = ModelRunner.bytes_per_block(config, BLOCK, torch.float32)
     plan = make_plan(load_model_source(None), kv_cache_dtype="float32", kv_cache_memory=kv_cache_memory)
     assert plan.bytes_per_block == block_bytes
     assert plan.kv_budget_blocks == kv_cache_memory // block_bytes

@@ -146,7 +146,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
 
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        block_bytes = ModelRunner.bytes_per_block(loaded.model, config.block_size, self.kv_dtype)
+        block_bytes = ModelRunner.bytes_per_block(loaded.config, config.block_size, self.kv_dtype)
         num_blocks = (
             config.num_kv_blocks
             or (config.kv_cache_memory or default_kv_cache_memory(self.device)) // block_bytes

@@ -9,6 +9,7 @@ import torch
 from yaie.engine.scheduler import SchedulerOutput
 from yaie.engine.sequence import Sequence
 from yaie.model.attention import AttentionMetadata, PrefillSeq
+from yaie.model.config import ModelConfig
 from yaie.model.llama import CausalLM
 
 
@@ -47,8 +48,7 @@ class ModelRunner:
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
 
     @staticmethod
-    def bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
-        cfg = model.config
+    def bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=kv_dtype).element_size()
         return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
