@@ -37,7 +37,8 @@ Only loopback base URLs are accepted: this workplace forbids load tests against 
 
 `fit_cost_model` (`yaie bench --fit-cost-model`) measures the engine itself instead: it times
 `Engine.step` over prefills of several lengths and decodes of several batch sizes and contexts,
-and fits the step-time model `yaie simulate` runs on.
+and fits the step-time model `yaie simulate` runs on; `fit_front_end` then load-tests a server
+running the same engine to price its front end (see yaie/simulate/cost_model.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,7 +67,8 @@ from rich.table import Table
 if TYPE_CHECKING:
     from yaie.config import EngineConfig
     from yaie.engine.engine import Engine
-    from yaie.simulate.cost_model import CostModel, StepShape
+    from yaie.engine.step_shape import StepShape
+    from yaie.simulate.cost_model import CostModel
 
 SHORT_QUESTIONS = (
     "What is the capital of France?",
@@ -171,9 +174,10 @@ class LevelResult:
     num_requests: int
     duration_s: float
     requests: list[RequestResult] = field(default_factory=list)
-    # The server's speculative-decoding counters over the level (SPEC_COUNTERS), set by
-    # run_bench; None where the server keeps none.
+    # The server's speculative-decoding counters (SPEC_COUNTERS) and the sums of its engine's
+    # steps (STEP_COUNTERS) over the level, set by run_bench; None where the server keeps none.
     spec: dict[str, float] | None = None
+    steps: dict[str, float] | None = None
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.requests if r.error is None]
@@ -200,6 +204,7 @@ class LevelResult:
             "e2e_p50_s": percentile(e2es, 50),
             "e2e_p99_s": percentile(e2es, 99),
             "error_samples": sorted({r.error for r in self.requests if r.error})[:5],
+            "engine_steps": self.steps,
             **self.spec_summary(),
         }
 
@@ -215,18 +220,34 @@ class LevelResult:
 
 
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+# The sums of yaie's engine steps (yaie/server/metrics.py STEP_METRICS), by StepTotals field.
+STEP_COUNTERS = {
+    "engine_steps": "num_steps",
+    "engine_step_seconds": "busy_s",
+    "engine_prefill_steps": "num_prefill_steps",
+    "engine_prefill_tokens": "num_prefill_tokens",
+    "engine_decode_tokens": "num_decode_tokens",
+    "engine_kv_tokens_read": "num_kv_tokens",
+    "engine_sampled_rows": "num_sampled",
+}
+
+
+def server_counters(exposition: str, names: Iterable[str]) -> dict[str, float] | None:
+    """The totals of the counters `names` in a Prometheus exposition (yaie's names, or vLLM's
+    with `vllm:` before them); None if it lacks any of them."""
+    wanted = set(names)
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:  # counters' samples end in _total (summed over labels)
+            name = sample.name.removeprefix("vllm:")
+            if name.endswith("_total") and (counter := name.removesuffix("_total")) in wanted:
+                totals[counter] = totals.get(counter, 0.0) + sample.value
+    return totals if len(totals) == len(wanted) else None
 
 
 def spec_counters(metrics_text: str) -> dict[str, float] | None:
-    """SPEC_COUNTERS' totals in a Prometheus exposition (yaie's names, or vLLM's with `vllm:`
-    before them); None if it lacks any of them."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:  # counters' samples end in _total (summed over labels)
-            name = sample.name.removeprefix("vllm:")
-            if name.endswith("_total") and (counter := name.removesuffix("_total")) in SPEC_COUNTERS:
-                totals[counter] = totals.get(counter, 0.0) + sample.value
-    return totals if len(totals) == len(SPEC_COUNTERS) else None
+    """SPEC_COUNTERS' totals in a Prometheus exposition; None if it lacks any of them."""
+    return server_counters(metrics_text, SPEC_COUNTERS)
 
 
 def percentile(values: list[float], pct: float) -> float | None:
@@ -410,19 +431,28 @@ async def run_bench(
             console=console,
         ) as progress:
             for level, concurrency in enumerate(levels):
-                before = await server_spec_counters(client, config)
+                before = await metrics_text(client, config)
                 outcome = await run_level(client, config, concurrency, num_requests, level, progress)
-                after = await server_spec_counters(client, config)
-                if before is not None and after is not None:
-                    outcome.spec = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+                after = await metrics_text(client, config)
+                outcome.spec = counters_between(before, after, SPEC_COUNTERS)
+                outcome.steps = counters_between(before, after, STEP_COUNTERS)
                 outcomes.append(outcome)
     return outcomes
 
 
-async def server_spec_counters(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, float] | None:
-    """The server's speculative-decoding counters now; None where it serves no such metrics."""
+async def metrics_text(client: httpx.AsyncClient, config: BenchConfig) -> str | None:
+    """The server's /metrics now; None where it serves none."""
     response = await client.get(config.base_url.rstrip("/") + "/metrics", headers=config.headers)
-    return spec_counters(response.text) if response.status_code == 200 else None
+    return response.text if response.status_code == 200 else None
+
+
+def counters_between(before: str | None, after: str | None, names: Iterable[str]) -> dict[str, float] | None:
+    """How much the counters `names` grew from one exposition to the next; None without them."""
+    first = None if before is None else server_counters(before, names)
+    last = None if after is None else server_counters(after, names)
+    if first is None or last is None:
+        return None
+    return {name: last[name] - first[name] for name in first}
 
 
 def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
@@ -589,9 +619,10 @@ def _run_timed(
     joining: tuple[int, ...] = (),
 ) -> None:
     """Run requests of random (so uncached) prompts to the end, recording each step's shape and
-    time. Once they decode, a one-token request of each `joining` length joins, one per step."""
+    time (what the step added to the engine's StepTotals). Once they decode, a one-token request
+    of each `joining` length joins, one per step."""
+    from yaie.engine.step_shape import StepShape
     from yaie.sampling_params import SamplingParams
-    from yaie.simulate.adapter import step_items, step_shape
 
     rng = random.Random(len(shapes))
     vocab = engine.model_config.vocab_size
@@ -603,29 +634,53 @@ def _run_timed(
     for length in prompt_lens:
         add(length, max_tokens)
     waiting = list(joining)
-    scheduler = engine.scheduler
-    schedule = scheduler.schedule
-    scheduled: list[StepShape] = []
+    while engine.has_unfinished_requests():
+        before = replace(engine.step_totals)
+        engine.step()
+        after = engine.step_totals
+        if after.num_steps == before.num_steps:
+            continue  # the step computed nothing
+        shape = StepShape(
+            after.num_prefill_tokens - before.num_prefill_tokens,
+            after.num_decode_tokens - before.num_decode_tokens,
+            after.num_kv_tokens - before.num_kv_tokens,
+            after.num_sampled - before.num_sampled,
+        )
+        shapes.append(shape)
+        seconds.append(after.busy_s - before.busy_s)
+        if waiting and shape.num_sampled:  # the batch is past its prompts: it decodes
+            add(waiting.pop(0), 1)
 
-    def recording_schedule() -> Any:
-        output = schedule()
-        scheduled.append(step_shape(step_items(output)))
-        return output
 
-    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
-    try:
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            elapsed = time.perf_counter() - start
-            shape = scheduled.pop()
-            if shape.num_tokens:
-                shapes.append(shape)
-                seconds.append(elapsed)
-            if waiting and shape.num_sampled:  # the batch is past its prompts: it decodes
-                add(waiting.pop(0), 1)
-    finally:
-        del scheduler.schedule  # back to the class's method
+# Load-test levels that price the front end (CostModel.with_front_end): (clients, requests, max
+# tokens). One client measures a request's time outside the engine; the others, at two output
+# lengths, how much the front end's work for requests and for outputs lengthens the steps.
+FRONT_END_LEVELS = ((1, 8, 16), (4, 16, 64), (16, 32, 16), (16, 32, 64))
+
+
+def fit_front_end(base_url: str, cost: CostModel, console: Console) -> CostModel:
+    """`cost` with the front end's terms, from FRONT_END_LEVELS against the yaie server at
+    `base_url` (running the engine `cost` was fitted on), short prompts, streamed."""
+    from yaie.engine.step_shape import StepTotals
+    from yaie.simulate.cost_model import ServedLevel
+
+    served: list[ServedLevel] = []
+    for clients, num_requests, max_tokens in FRONT_END_LEVELS:
+        config = BenchConfig(
+            base_url=base_url, model="", prompt_set="short", max_tokens=max_tokens, temperature=0.0,
+            ignore_eos=True, eos_logit_bias=[], extra_body={}, api_key=None, timeout_s=300.0,
+            long_prompt_tokens=1000,
+        )  # fmt: skip
+        [level] = asyncio.run(run_bench(config, [clients], num_requests, 1, console))
+        summary = level.summary()
+        if level.steps is None or summary["errors"]:
+            raise SystemExit(f"the front-end level of {clients} clients failed: {summary['error_samples']}")
+        totals = StepTotals()
+        for name, attribute in STEP_COUNTERS.items():
+            value = level.steps[name]
+            setattr(totals, attribute, value if attribute == "busy_s" else round(value))
+        served.append(ServedLevel(totals, num_requests, clients, level.duration_s))
+    return cost.with_front_end(served)
 
 
 def main(argv: list[str] | None = None) -> int:

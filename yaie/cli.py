@@ -503,14 +503,29 @@ def run_bench(args: argparse.Namespace) -> int:
             enable_prefix_caching=not serve.no_prefix_caching,
         )
         cost, error = bench.fit_cost_model(config)
+        console.print(f"engine: {cost.describe()} (median step error {error:.1%})")
+        with _bench_server(args.serve_args) as base_url:  # the same engine, behind the real front end
+            cost = bench.fit_front_end(base_url, cost, console)
         cost.save(Path(args.fit_cost_model))
-        console.print(f"{cost.describe()} (median step error {error:.1%}); wrote {args.fit_cost_model}")
+        console.print(f"with the front end: {cost.describe()}; wrote {args.fit_cost_model}")
         return 0
 
+    with _bench_server(args.serve_args) as base_url:
+        bench_argv = ["--base-url", base_url, "--concurrency", args.concurrency, "--label", "yaie"]
+        bench_argv += ["--num-requests", args.num_requests, "--prompt-set", args.prompt_set]
+        bench_argv += ["--max-tokens", args.max_tokens, "--ignore-eos"]
+        if args.out:
+            bench_argv += ["--out", args.out]
+        return bench.main(bench_argv)
+
+
+@contextlib.contextmanager
+def _bench_server(serve_args: list[str]) -> Iterator[str]:
+    """A `yaie serve` with these options on a free loopback port, healthy; yields its URL."""
     with socket.socket() as probe:  # a free loopback port for the server
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "yaie.cli", "serve", *args.serve_args, "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "yaie.cli", "serve", *serve_args, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--log-level", "warning"]
     err_console.print(f"starting: {' '.join(command[2:])}")
     server = subprocess.Popen(command)
@@ -519,23 +534,16 @@ def run_bench(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + 300
         while True:
             if server.poll() is not None:
-                err_console.print(f"[red]error:[/] the server exited with code {server.returncode}")
-                return 1
+                raise SystemExit(f"error: the server exited with code {server.returncode}")
             try:
                 if httpx.get(f"{base_url}/health", timeout=1.0, trust_env=False).status_code == 200:
                     break
             except httpx.TransportError:
                 pass  # not listening yet
             if time.monotonic() > deadline:
-                err_console.print("[red]error:[/] the server did not become healthy within 300 s")
-                return 1
+                raise SystemExit("error: the server did not become healthy within 300 s")
             time.sleep(0.5)
-        bench_argv = ["--base-url", base_url, "--concurrency", args.concurrency, "--label", "yaie"]
-        bench_argv += ["--num-requests", args.num_requests, "--prompt-set", args.prompt_set]
-        bench_argv += ["--max-tokens", args.max_tokens, "--ignore-eos"]
-        if args.out:
-            bench_argv += ["--out", args.out]
-        return bench.main(bench_argv)
+        yield base_url
     finally:
         server.terminate()
         server.wait(timeout=30)

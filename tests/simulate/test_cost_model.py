@@ -1,17 +1,20 @@
 """The step-time cost model: its formula, its file format, and the fit `yaie bench --fit-cost-model`
-runs, on synthetic step records and on the steps of a real (tiny) engine."""
+runs (the engine's steps, then the front end from a server's load-test levels), on synthetic
+records and on a real (tiny) engine and server."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from yaie.simulate import CostModel, StepShape
-from yaie.simulate.cost_model import COEFFICIENTS
+from yaie.engine.step_shape import StepTotals
+from yaie.simulate import CostModel, ServedLevel, StepShape
+from yaie.simulate.cost_model import COEFFICIENTS, step_features
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
@@ -53,8 +56,50 @@ def test_fit_needs_a_step_per_coefficient() -> None:
         CostModel.fit([StepShape(1, 0, 1, 1)] * 3, [0.1] * 3)
 
 
+def served(shapes: list[StepShape], num_requests: int, clients: int, front_end: CostModel) -> ServedLevel:
+    """A level whose steps had these shapes, each taking what `front_end` prices it at with its
+    share of the front end (the requests spread over the steps), the client(s) idle for
+    `front_end.request_overhead_s` per request outside the engine."""
+    totals = StepTotals()
+    for index, shape in enumerate(shapes):
+        admitted = num_requests // len(shapes) + (index < num_requests % len(shapes))
+        totals.add(shape, front_end.step_time(shape) + front_end.front_end_time(admitted, shape.num_sampled))
+    idle = front_end.request_overhead_s * num_requests if clients == 1 else 0.0
+    return ServedLevel(totals, num_requests, clients, totals.busy_s + idle)
+
+
+def test_the_front_end_is_priced_from_served_levels() -> None:
+    truth = replace(
+        TRUTH, request_overhead_s=0.006, front_end_per_request_s=0.004, front_end_per_output_s=2e-4
+    )
+    decode = [StepShape(0, 4, 400, 4)] * 60 + [StepShape(64, 0, 64, 4)] * 2
+    busy = [StepShape(0, 16, 2000, 16)] * 40 + [StepShape(128, 8, 900, 16)] * 4
+    levels = [
+        served([StepShape(20, 0, 20, 1)] + [StepShape(0, 1, 30, 1)] * 15, 8, 1, truth),
+        served(decode, 16, 4, truth),
+        served(busy, 64, 16, truth),  # many short requests
+        served(busy, 8, 16, truth),  # a few long ones
+    ]
+    priced = TRUTH.with_front_end(levels)
+    assert priced.request_overhead_s == pytest.approx(0.006)
+    assert priced.front_end_per_request_s == pytest.approx(0.004)
+    assert priced.front_end_per_output_s == pytest.approx(2e-4)
+    for name in COEFFICIENTS:  # the engine's own prices stay
+        assert getattr(priced, name) == getattr(TRUTH, name)
+    # A front end that costs nothing (spare cores) is priced at nothing, never below.
+    free = TRUTH.with_front_end(
+        [served(decode, 16, 1, TRUTH), served(decode, 16, 4, TRUTH), served(busy, 8, 16, TRUTH)]
+    )
+    terms = (free.request_overhead_s, free.front_end_per_request_s, free.front_end_per_output_s)
+    assert terms == pytest.approx((0.0, 0.0, 0.0), abs=1e-12) and min(terms) >= 0.0
+    with pytest.raises(ValueError, match="one-client level and two or more"):
+        TRUTH.with_front_end(levels[:2])
+
+
 def test_a_file_round_trips(tmp_path: Path) -> None:
-    cost = CostModel(0.01, 0.02, 1e-4, 2e-4, 1e-7, 1e-5, request_overhead_s=0.003, engine={"block_size": 16})
+    cost = CostModel(0.01, 0.02, 1e-4, 2e-4, 1e-7, 1e-5, request_overhead_s=0.003,
+                     front_end_per_request_s=0.002, front_end_per_output_s=1e-4,
+                     engine={"block_size": 16})  # fmt: skip
     cost.save(tmp_path / "cost.json")
     assert CostModel.load(tmp_path / "cost.json") == cost
 
@@ -89,12 +134,35 @@ def test_the_fit_steps_of_a_real_engine_tell_every_coefficient_apart(tiny_model:
     assert len(shapes) == len(seconds) and min(seconds) > 0
     # Every feature varies independently of the others, so a fit pins down every coefficient:
     # given these very shapes priced by a known model, it gives that model back.
-    assert np.linalg.matrix_rank(np.array([shape.features() for shape in shapes])) == len(COEFFICIENTS)
+    assert np.linalg.matrix_rank(np.array([step_features(shape) for shape in shapes])) == len(COEFFICIENTS)
     fitted = CostModel.fit(shapes, [TRUTH.step_time(s) for s in shapes])
     for name in COEFFICIENTS:
         assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
     kinds = {(bool(s.num_prefill_tokens), bool(s.num_decode_tokens)) for s in shapes}
     assert kinds == {(True, False), (False, True), (True, True)}  # prefill, decode and mixed steps
+
+
+def test_the_engine_sums_the_shapes_and_times_of_its_steps(tiny_model: str) -> None:
+    from yaie.config import EngineConfig
+    from yaie.engine.engine import Engine
+    from yaie.sampling_params import SamplingParams
+
+    config = EngineConfig(model=tiny_model, kv_cache_memory=8 * 2**20, max_num_batched_tokens=16)
+    engine = Engine(config)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
+    engine.add_request(None, list(range(1, 21)), params)  # 20 prompt tokens: chunks of 16 and 4
+    engine.add_request(None, list(range(30, 33)), params)  # joins in the second step
+    while engine.has_unfinished_requests():
+        engine.step()
+    totals = engine.stats().steps
+    # Step 1: 16 prompt tokens of the first (no sample). Step 2: its last 4 and all 3 of the
+    # second (both sample). Then 4 decode steps of both.
+    assert (totals.num_steps, totals.num_prefill_steps) == (6, 2)
+    assert (totals.num_prefill_tokens, totals.num_decode_tokens, totals.num_sampled) == (23, 8, 10)
+    kv_first = 16 + 20 + sum(20 + i for i in range(1, 5))
+    kv_second = 3 + sum(3 + i for i in range(1, 5))
+    assert totals.num_kv_tokens == kv_first + kv_second
+    assert totals.busy_s > 0.0
 
 
 def test_yaie_bench_fit_cost_model_writes_a_model_simulate_loads(tiny_model: str, tmp_path: Path) -> None:
@@ -107,11 +175,12 @@ def test_yaie_bench_fit_cost_model_writes_a_model_simulate_loads(tiny_model: str
     assert cost.fixed_s + cost.prefill_step_s > 0.0  # a step takes time
     assert cost.engine["block_size"] == 16 and cost.engine["num_kv_blocks"] > 0
     assert json.loads(out.read_text())["engine"]["model"]
+    # The front end was measured against a real server: a request spends time outside the engine.
+    assert cost.request_overhead_s > 0.0
+    assert cost.front_end_per_request_s >= 0.0 and cost.front_end_per_output_s >= 0.0
 
 
 def test_requests_reach_the_engine_one_front_end_overhead_apart() -> None:
-    from dataclasses import replace
-
     from yaie.simulate import EngineSettings, Request, Scenario, Traffic, simulate
 
     settings = EngineSettings(num_kv_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
@@ -128,3 +197,16 @@ def test_requests_reach_the_engine_one_front_end_overhead_apart() -> None:
     assert first["r0"] == pytest.approx(0.004 + 0.02)
     assert first["r1"] == pytest.approx(0.024 + 0.03) and first["r2"] == first["r1"]
     assert all(r.arrival_s == 0.0 for r in delayed.records)  # TTFT counts from the send
+
+
+def test_the_front_end_lengthens_the_steps_that_admit_requests_and_stream_outputs() -> None:
+    from yaie.simulate import EngineSettings, Request, Scenario, Traffic, simulate
+
+    settings = EngineSettings(num_kv_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+    cost = CostModel(0.01, 0.0, 1e-3, 0.0, 0.0, front_end_per_request_s=0.005, front_end_per_output_s=0.002)
+    requests = [Request(f"r{i}", [1 + i] * 10, 3) for i in range(3)]  # all sent at 0
+    result = simulate(Traffic(requests), Scenario.parse("continuous"), settings, cost)
+    # Step 1 admits all three and streams their first tokens; steps 2 and 3 stream one each.
+    first_step = 0.01 + 30 * 1e-3 + 3 * 0.005 + 3 * 0.002
+    assert [r.first_token_s for r in result.records] == pytest.approx([first_step] * 3)
+    assert [r.finish_s for r in result.records] == pytest.approx([first_step + 2 * (0.01 + 3 * 0.002)] * 3)

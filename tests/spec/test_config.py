@@ -10,7 +10,12 @@ import torch
 
 from yaie import LLM
 from yaie.model.loader import bundled_model_path
-from yaie.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from yaie.spec.config import (
+    DISABLE_BY_BATCH_SIZE_DENSE,
+    DISABLE_BY_BATCH_SIZE_QUANTIZED,
+    MAX_SPECULATIVE_TOKENS,
+    SpeculativeConfig,
+)
 from yaie.spec.proposers import NgramProposer, TargetInfo, TargetModel, check_same_vocabulary
 
 
@@ -42,6 +47,18 @@ def test_other_bad_settings(raw: dict, message: str) -> None:
         SpeculativeConfig.from_dict(raw)
 
 
+def test_the_batch_size_limit_is_the_users_or_the_measured_default_for_the_target() -> None:
+    default = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert default.batch_size_limit(target_quantized=False) == DISABLE_BY_BATCH_SIZE_DENSE
+    assert default.batch_size_limit(target_quantized=True) == DISABLE_BY_BATCH_SIZE_QUANTIZED
+    assert DISABLE_BY_BATCH_SIZE_QUANTIZED < DISABLE_BY_BATCH_SIZE_DENSE
+    chosen = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 6}
+    )
+    assert chosen.batch_size_limit(target_quantized=False) == 6
+    assert chosen.batch_size_limit(target_quantized=True) == 6
+
+
 def test_refused_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_loading(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded")
@@ -54,7 +71,7 @@ def test_refused_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None
 def _target(vocab: dict[str, int]) -> TargetInfo:
     tokenizer = SimpleNamespace(get_vocab=lambda: vocab)
     model = TargetModel(Path("target"), "none", torch.device("cpu"))
-    return TargetInfo(len(vocab), tokenizer, None, None, 16, 8, 64, frozenset(), model)  # type: ignore[arg-type]
+    return TargetInfo(len(vocab), tokenizer, None, None, 16, 8, 64, frozenset(), model, False)  # type: ignore[arg-type]
 
 
 def test_a_draft_with_another_vocabulary_is_refused() -> None:

@@ -142,6 +142,23 @@ def test_speculation_is_off_above_the_batch_size_threshold(tiny_target: str) -> 
     assert llm.engine.stats().spec_decode.num_drafts > 0  # type: ignore[union-attr]
 
 
+def test_by_default_a_quantized_target_speculates_only_alone(tiny_target: str, tiny_gguf_q8: str) -> None:
+    """The default threshold follows the target's weights (SpeculativeConfig.batch_size_limit):
+    a dense target speculates with four decoding sequences, a quantized one only with one."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    spec["min_acceptance_rate"] = 0.0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    dense = LLM(tiny_target, num_kv_blocks=256, speculative_config=spec)
+    dense.generate(PROMPTS, params)
+    assert dense.engine.stats().spec_decode.num_drafts > 0  # type: ignore[union-attr]
+    quantized = LLM(tiny_gguf_q8, num_kv_blocks=256, speculative_config=spec)
+    assert quantized.engine.model_info.quantization != "none"
+    quantized.generate(PROMPTS[:2], params)
+    assert quantized.engine.stats().spec_decode.num_drafts == 0  # type: ignore[union-attr]
+    quantized.generate(PROMPTS[:1], params)
+    assert quantized.engine.stats().spec_decode.num_drafts > 0  # type: ignore[union-attr]
+
+
 def test_a_sequence_with_low_acceptance_stops_drafting(tiny_target: str, tiny_other: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = {"method": "draft_model", "model": tiny_other, "num_speculative_tokens": 2}

@@ -35,6 +35,7 @@ from yaie.engine.output_processor import OutputProcessor
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import SequenceStatus
 from yaie.engine.step_log import StepLog
+from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.errors import InvalidRequestError
 from yaie.model.loader import LoadProgress, load_model, resolve_model_path
 from yaie.outputs import RequestOutput
@@ -65,6 +66,7 @@ class EngineStats:
     kv_block_bytes: int
     num_preemptions: int
     num_computed_prompt_tokens: int  # prompt tokens actually run through the model (not cache hits)
+    steps: StepTotals  # what the steps so far computed, and how long they took
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
     @property
@@ -182,7 +184,7 @@ class Engine:
             target = TargetInfo(
                 self.model_config.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
                 num_blocks, self.max_model_len, frozenset(self.eos_token_ids),
-                target_model,
+                target_model, loaded.quantization != "none",
             )  # fmt: skip
             self.speculator = SpeculativeDecoder.create(spec_config, target, self.scheduler)
         self.sampler = Sampler(self.eos_token_ids)
@@ -191,6 +193,7 @@ class Engine:
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured request
         self._grammar_compiler_lock = threading.Lock()
         self.step_log = StepLog()  # records steps only while the engine view watches
+        self.step_totals = StepTotals()
 
     def _max_model_len(self, num_blocks: int) -> int:
         cfg = self.model_config
@@ -316,6 +319,7 @@ class Engine:
             kv_block_bytes=self.kv_block_bytes,
             num_preemptions=self.scheduler.num_preemptions,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
+            steps=replace(self.step_totals),
             spec_decode=None if self.speculator is None else replace(self.speculator.stats),
         )
 
@@ -330,9 +334,12 @@ class Engine:
         outputs = self.output_processor.process(batch, model_output, sampled)
         if self.speculator is not None:
             self.speculator.record(batch)
-        # Counted before the update moves the counts it is computed from.
+        # Counted before the update moves the counts they are computed from.
         generated = sum(item.num_generated_tokens() for item in batch.scheduled) if watched else 0
+        shape = StepShape.of(batch)
         self.scheduler.update(batch)
+        if shape.num_tokens:
+            self.step_totals.add(shape, time.perf_counter() - started)
         if watched:
             self.step_log.record(batch, generated, started, self.scheduler)
         return outputs

@@ -45,6 +45,17 @@ class ScheduledSequence:
     def __post_init__(self) -> None:
         self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    # Both as of the step, like `samples`: only meaningful before `Scheduler.update`.
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: the step computes the last sampled token (and any drafts after it)."""
+        return self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of the sequence whose K/V attention reads: its context through this step."""
+        return self.seq.num_computed_tokens + self.num_new_tokens
+
     def num_kept_spec_tokens(self) -> int:
         """How many draft tokens became the sequence's own tokens, in order, once the step's
         tokens were appended (their K/V, computed from the same tokens, is valid). Only

@@ -3,7 +3,8 @@ step-time cost model, over synthetic or traced traffic. No torch and no weights:
 package must not import torch (a test checks it).
 """
 
-from yaie.simulate.cost_model import CostModel, StepShape
+from yaie.engine.step_shape import StepShape
+from yaie.simulate.cost_model import CostModel, ServedLevel
 from yaie.simulate.report import plot, summarize
 from yaie.simulate.simulator import EngineSettings, Scenario, SimulationError, SimulationResult, simulate
 from yaie.simulate.traffic import Request, Traffic, TrafficSpec, Turn, load_trace, synthetic_traffic
@@ -13,6 +14,7 @@ __all__ = [
     "EngineSettings",
     "Request",
     "Scenario",
+    "ServedLevel",
     "SimulationError",
     "SimulationResult",
     "StepShape",

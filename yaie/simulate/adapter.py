@@ -12,8 +12,8 @@ from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import Sequence, SequenceStatus
+from yaie.engine.step_shape import StepShape
 from yaie.sampling_params import SamplingParams
-from yaie.simulate.cost_model import StepShape
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,8 @@ class StepItem:
 def step_items(output: SchedulerOutput) -> list[StepItem]:
     """What a scheduled step computes; call before `Scheduler.update`, which moves the counts on."""
     items = []
-    for scheduled in output.scheduled:
-        seq = scheduled.seq
-        context = seq.num_computed_tokens + scheduled.num_new_tokens
-        decoding = seq.num_computed_tokens >= seq.num_prompt_tokens
-        items.append(StepItem(seq, scheduled.num_new_tokens, context, scheduled.samples, decoding))
+    for s in output.scheduled:
+        items.append(StepItem(s.seq, s.num_new_tokens, s.context_len, s.samples, s.decoding))
     return items
 
 

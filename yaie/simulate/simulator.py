@@ -5,7 +5,9 @@ moves on by that much; sequences that sampled get a token (random ids: only thei
 except to multi-turn prompts, which carry them into the next turn). A request reaches the engine
 the cost model's `request_overhead_s` after it was sent, behind the requests sent before it (a
 server's front end takes them one at a time), and joins the queue at the next step, as it would
-join the engine's. Its times to first token and to the end count from when it was sent.
+join the engine's. Its times to first token and to the end count from when it was sent. Where the
+front end shares the CPU with the engine, a step also pays the cost model's front-end time for
+the requests it admits and the outputs it streams.
 
 Scenarios change the engine, not the loop:
   * static: the classic baseline (Hugging Face `generate` over a batch): a batch of up to
@@ -26,8 +28,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from yaie.engine.sequence import Sequence
+from yaie.engine.step_shape import StepShape
 from yaie.simulate.adapter import EngineScheduler, StepItem, step_shape
-from yaie.simulate.cost_model import CostModel, StepShape
+from yaie.simulate.cost_model import CostModel
 from yaie.simulate.traffic import VOCAB_SIZE, Request, Traffic
 
 
@@ -150,6 +153,7 @@ class _Simulation:
         self.clock = 0.0
         self.arrivals: list[tuple[float, int, Request]] = []  # heap by time sent, then order of release
         self.front_end_free = 0.0  # when the front end is done with the last request it took
+        self.num_admitted = 0  # requests added to the engine since the last step
         self.released = 0
         self.backlog: deque[Request] = deque()  # closed loop: requests no client has sent yet
         self.queue: deque[tuple[float, Request]] = deque()  # arrived, not yet scheduled (static)
@@ -175,7 +179,7 @@ class _Simulation:
                 if self.arrivals:
                     self.clock = max(self.clock, self._next_ready())
                 continue
-            self.clock += self._step_time(items)
+            self.clock += self._step_time(items) + self._front_end_time(items)
             self.result.num_steps += 1
             self._emit_tokens(items)
             self.result.kv_timeline.append((self.clock, self.engine.num_used_blocks / self.engine.num_blocks))
@@ -223,6 +227,7 @@ class _Simulation:
             record = RequestRecord(request.request_id, at, len(request.prompt_token_ids), request.output_len)
             seq = self.engine.add(request.request_id, request.prompt_token_ids)
             self.live[seq] = _Live(record, request, seq)
+        self.num_admitted += len(admitted)
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -248,6 +253,12 @@ class _Simulation:
         )
         draft = StepShape(0, len(decoding), sum(item.context_len for item in decoding), len(decoding))
         return self.cost.step_time(verified) + k * self.settings.draft_cost_ratio * self.cost.step_time(draft)
+
+    def _front_end_time(self, items: list[StepItem]) -> float:
+        """The front end's share of the step: the requests admitted since the last one, and an
+        output streamed for each sequence that sampled."""
+        num_requests, self.num_admitted = self.num_admitted, 0
+        return self.cost.front_end_time(num_requests, sum(item.samples for item in items))
 
     def _emit_tokens(self, items: list[StepItem]) -> None:
         for item in items:

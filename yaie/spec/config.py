@@ -16,8 +16,12 @@ from yaie.config import QUANTIZATIONS
 # for in every verifying forward, and acceptance decays geometrically along a draft.
 MAX_SPECULATIVE_TOKENS = 16
 # Above this many decoding sequences in a step the forward is no longer bound by reading the
-# weights, so verifying drafts stops being nearly free. Measure it with benchmarks/speculative.py.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# weights, so verifying drafts stops being nearly free. Where that happens depends on how the
+# target holds its weights (benchmarks/speculative.py, README "Speculative decoding"): a dense
+# target still gains at 4 sequences and no longer at 8; a quantized one gains only alone, as its
+# one-row decode kernel costs far less per row than the many-row path a verifying step takes.
+DISABLE_BY_BATCH_SIZE_DENSE = 4
+DISABLE_BY_BATCH_SIZE_QUANTIZED = 1
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,9 @@ class SpeculativeConfig:
     # How the draft's linear layers hold their weights (EngineConfig.quantization's choices).
     # draft_model: "none" by default; self: a GGUF's stored types by default, else int4.
     quantization: str | None = None
-    # No speculation in a step with more decoding sequences than this.
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # No speculation in a step with more decoding sequences than this; None: the measured
+    # default for the target's weights (`batch_size_limit`).
+    disable_by_batch_size: int | None = None
     # A sequence whose recent acceptance rate (a moving average) falls below this drafts no more
     # for a while; 0 keeps every sequence speculating.
     min_acceptance_rate: float = 0.1
@@ -68,7 +73,8 @@ class SpeculativeConfig:
                 f"speculative_config: num_speculative_tokens must be an integer in "
                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
-        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1:
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ValueError(
                 f"speculative_config: disable_by_batch_size must be a positive integer, "
                 f"got {self.disable_by_batch_size!r}"
@@ -82,3 +88,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}"
             )
+
+    def batch_size_limit(self, target_quantized: bool) -> int:
+        """The most decoding sequences a step may have and still speculate."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        return DISABLE_BY_BATCH_SIZE_QUANTIZED if target_quantized else DISABLE_BY_BATCH_SIZE_DENSE

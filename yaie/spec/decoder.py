@@ -9,7 +9,8 @@ its drafts (yaie.spec.verify) while the other rows go through the sampler as usu
 sequence drafts, the step is the plain one, untouched.
 
 Speculation pays only while a forward is bound by reading the weights: a step with more
-decoding sequences than `disable_by_batch_size` drafts nothing, and a sequence whose drafts
+decoding sequences than `disable_by_batch_size` (by default measured per kind of target weights,
+SpeculativeConfig.batch_size_limit) drafts nothing, and a sequence whose drafts
 keep being rejected (a moving average of its acceptance rate below `min_acceptance_rate`)
 pauses drafting for PAUSE_STEPS of its steps.
 
@@ -76,8 +77,10 @@ class SpeculativeDecoder:
         scheduler: Scheduler,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        max_batch_size: int,
     ) -> None:
         self.config = config
+        self.max_batch_size = max_batch_size  # the most decoding sequences a speculating step has
         self.proposer = proposer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
@@ -91,13 +94,14 @@ class SpeculativeDecoder:
         cls, config: SpeculativeConfig, target: TargetInfo, scheduler: Scheduler
     ) -> SpeculativeDecoder:
         proposer = PROPOSERS[config.method].create(config, target)
-        return cls(config, proposer, scheduler, target.max_model_len, target.eos_token_ids)
+        limit = config.batch_size_limit(target.quantized)
+        return cls(config, proposer, scheduler, target.max_model_len, target.eos_token_ids, limit)
 
     def propose(self, batch: SchedulerOutput) -> None:
         """Draft for the batch's decoding sequences and schedule the drafts."""
         self._drafts = {}
         decoding = [item for item in batch.scheduled if item.samples and item.num_new_tokens == 1]
-        if not decoding or len(decoding) > self.config.disable_by_batch_size:
+        if not decoding or len(decoding) > self.max_batch_size:
             return
         budget = self.scheduler.max_num_batched_tokens - batch.num_batched_tokens
         chosen: list[ScheduledSequence] = []

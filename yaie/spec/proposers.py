@@ -53,6 +53,7 @@ class TargetInfo:
     max_model_len: int
     eos_token_ids: frozenset[int]
     model: TargetModel
+    quantized: bool  # whether the loaded target's linear layers run quantized
 
 
 class Proposer(ABC):

@@ -1,0 +1,65 @@
+"""What one engine step computed, in the four numbers its time depends on, and their running sums.
+
+A step's cost is set by its shape, not by whose tokens it carries: how many prompt tokens it
+computes (many rows at a time), how many decode tokens (one row per sequence, more when it
+verifies drafts), how many K/V tokens attention reads, and how many rows reach the LM head and
+the sampler. `yaie simulate` prices shapes with a cost model (yaie/simulate/cost_model.py);
+the engine sums the shapes of the steps it runs, with their times (`StepTotals`), and the server
+exports the sums (/metrics), so that a load test can see what the engine computed and how long
+that took, and the cost model can be checked against a real server.
+
+Pure Python: no torch, like the scheduler it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yaie.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepShape:
+    num_prefill_tokens: int  # prompt (or recomputed) tokens whose K/V the step computes
+    num_decode_tokens: int  # tokens of sequences past their prompt: one each, more when verifying drafts
+    num_kv_tokens: int  # K/V tokens attention reads: each scheduled sequence's context through this step
+    num_sampled: int  # sequences that sample a token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @classmethod
+    def of(cls, batch: SchedulerOutput) -> StepShape:
+        """The shape of a scheduled step; take it before `Scheduler.update` moves the counts."""
+        prefill = decode = kv = sampled = 0
+        for item in batch.scheduled:
+            if item.decoding:
+                decode += item.num_new_tokens
+            else:
+                prefill += item.num_new_tokens
+            kv += item.context_len
+            sampled += item.samples
+        return cls(prefill, decode, kv, sampled)
+
+
+@dataclass
+class StepTotals:
+    """Sums over every step an engine ran: its shapes and the seconds the steps took."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0  # steps that computed any prompt tokens
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_kv_tokens: int = 0
+    num_sampled: int = 0
+    busy_s: float = 0.0
+
+    def add(self, shape: StepShape, seconds: float) -> None:
+        self.num_steps += 1
+        self.num_prefill_steps += shape.num_prefill_tokens > 0
+        self.num_prefill_tokens += shape.num_prefill_tokens
+        self.num_decode_tokens += shape.num_decode_tokens
+        self.num_kv_tokens += shape.num_kv_tokens
+        self.num_sampled += shape.num_sampled
+        self.busy_s += seconds
