@@ -12,8 +12,6 @@ import argparse
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import httpx
 import torch
 from rich.console import Console
 
@@ -125,26 +122,3 @@ def write_report(path: Path, report: dict[str, Any], console: Console) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"wrote {path}")
-
-
-def start_server(serve_args: list[str], timeout_s: float = 300) -> tuple[subprocess.Popen[bytes], str]:
-    """`yaie serve` on a free loopback port with `serve_args`, once it answers /health: (the
-    process, its base URL). The caller terminates it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "yaie.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(command + serve_args)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2, trust_env=False).status_code == 200:
-                return server, base_url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    server.terminate()
-    raise SystemExit(f"the server did not answer /health within {timeout_s:.0f} s")

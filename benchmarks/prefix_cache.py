@@ -34,8 +34,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,7 +55,7 @@ from bench_utils import (
 )  # benchmarks/ is the script's folder
 from rich.table import Table
 
-from yaie.bench import SHARED_PREFIX_QUESTIONS, percentile, records_text
+from yaie.bench import SHARED_PREFIX_QUESTIONS, percentile, records_text, yaie_server
 
 MODEL_NAME = "smol"
 STARTUP_TIMEOUT_S = 300
@@ -82,54 +80,19 @@ class ServerProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def serve(
     log_dir: Path, num_kv_blocks: int, quantization: str, prefix_caching: bool
 ) -> Iterator[ServerProcess]:
     """`yaie serve` on a free loopback port, healthy when yielded, stopped with SIGTERM after."""
-    port = free_port()
-    command = [sys.executable, "-m", "yaie.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--served-model-name", MODEL_NAME, "--num-kv-blocks", str(num_kv_blocks)]
-    command += ["--quantization", quantization, "--log-level", "warning"]
+    serve_args = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", str(num_kv_blocks)]
+    serve_args += ["--quantization", quantization, "--log-level", "warning"]
     if not prefix_caching:
-        command.append("--no-prefix-caching")
+        serve_args.append("--no-prefix-caching")
     env = {name: value for name, value in os.environ.items() if not name.startswith("YAIE_")}
     log_path = log_dir / f"server-{'on' if prefix_caching else 'off'}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_healthy(server)
-        yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def wait_healthy(server: ServerProcess) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            log = server.log_path.read_text(errors="replace")
-            raise SystemExit(f"the server exited with {server.process.returncode}:\n{log}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # not listening yet
-        time.sleep(0.25)
-    raise SystemExit(f"the server did not become healthy within {STARTUP_TIMEOUT_S} s")
+    with yaie_server(serve_args, log=log_path, env=env, timeout_s=STARTUP_TIMEOUT_S) as (process, base_url):
+        yield ServerProcess(process, base_url, log_path)
 
 
 # -- requests ----------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from typing import Any
 
 import httpx
 import torch
-from bench_utils import machine_info, make_console, start_server, write_report
+from bench_utils import machine_info, make_console, write_report
 
+from yaie.bench import yaie_server
 from yaie.config import QUANTIZATIONS, EngineConfig
 from yaie.engine.model_runner import ModelRunner
 from yaie.model.config import ModelConfig
@@ -39,17 +40,13 @@ def rss_bytes(pid: int) -> int:
 
 def measure(quantization: str, args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
     serve_args = ["--quantization", quantization, "--num-kv-blocks", str(args.num_kv_blocks)]
-    server, base_url = start_server(serve_args + args.serve_args)
-    try:
+    with yaie_server(serve_args + args.serve_args) as (server, base_url):
         with httpx.Client(base_url=base_url, timeout=300, trust_env=False) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
             body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
             client.post("/v1/chat/completions", json=body).raise_for_status()
             version = client.get("/version").json()
         rss = rss_bytes(server.pid)
-    finally:
-        server.terminate()
-        server.wait(30)
     kv_dtype = getattr(torch, version["kv_cache_dtype"])
     pool = args.num_kv_blocks * ModelRunner.bytes_per_block(config, EngineConfig.block_size, kv_dtype)
     return {

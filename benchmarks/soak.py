@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import psutil
 from bench_utils import add_quantization_arg  # benchmarks/ is the script's folder
 from prometheus_client.parser import text_string_to_metric_families
+
+from yaie.bench import yaie_server
 
 GRACE_S = 30.0  # for the requests under way when the time is up
 PROMPTS = ["Hello", "Once upon a time", "Write a haiku about the sea.", "List three colors."]
@@ -108,25 +111,6 @@ async def soak(base_url: str, clients: int, seconds: float) -> Tally:
     return tally
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "yaie.cli", "serve", "--port", str(port), "--served-model-name", "soak"]
-    command += ["--no-prefix-caching", "--num-kv-blocks", str(args.num_kv_blocks)]
-    command += ["--quantization", args.quantization]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return process, base_url
-        except httpx.TransportError:
-            time.sleep(0.25)
-    process.kill()
-    raise SystemExit("the server did not come up")
-
-
 def wait_idle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
     """The metrics once nothing runs or waits (the gauges lag a step behind the responses)."""
     deadline = time.monotonic() + timeout
@@ -148,11 +132,13 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=512)
     add_quantization_arg(parser)  # of the server it starts
     args = parser.parse_args()
-    process = None
-    if args.base_url is None:
-        process, args.base_url = start_server(args)
-        args.pid = process.pid
-    try:
+    started_here = args.base_url is None
+    with contextlib.ExitStack() as stack:
+        if started_here:
+            serve_args = ["--served-model-name", "soak", "--no-prefix-caching"]
+            serve_args += ["--num-kv-blocks", str(args.num_kv_blocks), "--quantization", args.quantization]
+            process, args.base_url = stack.enter_context(yaie_server(serve_args, log=Path(os.devnull)))
+            args.pid = process.pid
         server = psutil.Process(args.pid) if args.pid else None
         rss_before = server.memory_info().rss if server else None
         start = time.monotonic()
@@ -160,12 +146,8 @@ def main() -> int:
         elapsed = time.monotonic() - start
         idle = wait_idle(args.base_url)
         rss_after = server.memory_info().rss if server else None
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(30)
     report = {
-        "quantization": args.quantization if process is not None else "the running server's",
+        "quantization": args.quantization if started_here else "the running server's",
         "clients": args.clients,
         "seconds": round(elapsed, 1),
         "requests": sum(tally.outcomes.values()),

@@ -11,15 +11,12 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import httpx
 import uvicorn
 from rich.console import Console
 from rich.logging import RichHandler
@@ -504,49 +501,20 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         cost, error = bench.fit_cost_model(config)
         console.print(f"engine: {cost.describe()} (median step error {error:.1%})")
-        with _bench_server(args.serve_args) as base_url:  # the same engine, behind the real front end
+        quiet = [*args.serve_args, "--log-level", "warning"]
+        with bench.yaie_server(quiet) as (_, base_url):  # the same engine, behind the real front end
             cost = bench.fit_front_end(base_url, cost, console)
         cost.save(Path(args.fit_cost_model))
         console.print(f"with the front end: {cost.describe()}; wrote {args.fit_cost_model}")
         return 0
 
-    with _bench_server(args.serve_args) as base_url:
+    with bench.yaie_server([*args.serve_args, "--log-level", "warning"]) as (_, base_url):
         bench_argv = ["--base-url", base_url, "--concurrency", args.concurrency, "--label", "yaie"]
         bench_argv += ["--num-requests", args.num_requests, "--prompt-set", args.prompt_set]
         bench_argv += ["--max-tokens", args.max_tokens, "--ignore-eos"]
         if args.out:
             bench_argv += ["--out", args.out]
         return bench.main(bench_argv)
-
-
-@contextlib.contextmanager
-def _bench_server(serve_args: list[str]) -> Iterator[str]:
-    """A `yaie serve` with these options on a free loopback port, healthy; yields its URL."""
-    with socket.socket() as probe:  # a free loopback port for the server
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "yaie.cli", "serve", *serve_args, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--log-level", "warning"]
-    err_console.print(f"starting: {' '.join(command[2:])}")
-    server = subprocess.Popen(command)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"error: the server exited with code {server.returncode}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=1.0, trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise SystemExit("error: the server did not become healthy within 300 s")
-            time.sleep(0.5)
-        yield base_url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 # -- plan -------------------------------------------------------------------------------------

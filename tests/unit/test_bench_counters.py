@@ -1,20 +1,23 @@
-"""`yaie bench` reads speculative decoding's acceptance from a server's /metrics."""
+"""`yaie bench` reads a server's counters from its /metrics: speculative decoding's acceptance,
+and the sums of the engine's steps."""
 
 from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from yaie.bench import LevelResult, spec_counters
+from yaie.bench import STEP_COUNTERS, LevelResult, counters_between, spec_counters
 from yaie.engine.engine import EngineStats
+from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.server.metrics import ServerMetrics
 from yaie.spec.decoder import SpecDecodeStats
 
 
-def exposition(spec: SpecDecodeStats | None) -> str:
+def exposition(spec: SpecDecodeStats | None, steps: StepTotals | None = None) -> str:
     """What yaie's /metrics serves for these counters."""
     stats = EngineStats(num_running=0, num_waiting=0, num_kv_blocks=8, num_used_kv_blocks=0,
                         num_cached_kv_blocks=0, kv_block_bytes=64, num_preemptions=0,
-                        num_computed_prompt_tokens=0, spec_decode=spec)  # fmt: skip
+                        num_computed_prompt_tokens=0, steps=steps or StepTotals(),
+                        spec_decode=spec)  # fmt: skip
     return generate_latest(ServerMetrics(lambda: stats).registry).decode()
 
 
@@ -40,3 +43,18 @@ def test_level_summary_reports_acceptance() -> None:
     summary = level.summary()
     assert summary["spec_acceptance_rate"] == 25 / 40
     assert summary["spec_mean_accepted_length"] == 1 + 25 / 10
+
+
+def test_a_level_gets_the_sums_of_the_steps_it_ran() -> None:
+    before, after = StepTotals(), StepTotals()
+    after.add(StepShape(40, 0, 40, 1), 0.25)  # a step the level before left behind
+    before.add(StepShape(40, 0, 40, 1), 0.25)
+    after.add(StepShape(0, 8, 400, 8), 0.5)
+    after.add(StepShape(16, 7, 300, 8), 0.125)
+    grown = counters_between(exposition(None, before), exposition(None, after), STEP_COUNTERS)
+    assert grown == {
+        "engine_steps": 2, "engine_step_seconds": 0.625, "engine_prefill_steps": 1,
+        "engine_prefill_tokens": 16, "engine_decode_tokens": 15, "engine_kv_tokens_read": 700,
+        "engine_sampled_rows": 16,
+    }  # fmt: skip
+    assert counters_between(None, exposition(None, after), STEP_COUNTERS) is None  # no /metrics
