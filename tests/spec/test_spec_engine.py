@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import assert_no_leak
 
 from yaie import LLM, SamplingParams
-from yaie.spec.proposers import DraftModelProposer
+from yaie.spec.proposers import MAX_CATCH_UP_TOKENS, DraftModelProposer
 
 PROMPTS = [
     "hello world hello world hello world hello",
@@ -157,6 +157,21 @@ def test_by_default_a_quantized_target_speculates_only_alone(tiny_target: str, t
     assert quantized.engine.stats().spec_decode.num_drafts == 0  # type: ignore[union-attr]
     quantized.generate(PROMPTS[:1], params)
     assert quantized.engine.stats().spec_decode.num_drafts > 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("beside", "drafts"), [(8, True), (MAX_CATCH_UP_TOKENS + 16, False)])
+def test_a_sequence_far_behind_its_draft_drafts_no_more(tiny_target: str, beside: int, drafts: bool) -> None:
+    """Two sequences decode together without drafts (above disable_by_batch_size); once the
+    other ends, the long one drafts only if the draft model has little of it to catch up on."""
+    spec = {"method": "draft_model", "model": tiny_target, "num_speculative_tokens": 3, **ALWAYS}
+    spec["disable_by_batch_size"] = 1
+    llm = LLM(tiny_target, num_kv_blocks=256, speculative_config=spec)
+    long = SamplingParams(temperature=0, max_tokens=MAX_CATCH_UP_TOKENS + 48, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=beside, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:2], [long, short])
+    assert (llm.engine.stats().spec_decode.num_drafts > 0) == drafts  # type: ignore[union-attr]
+    plain = LLM(tiny_target, num_kv_blocks=256).generate(PROMPTS[:2], [long, short])
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_a_sequence_with_low_acceptance_stops_drafting(tiny_target: str, tiny_other: str) -> None:

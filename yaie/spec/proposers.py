@@ -122,6 +122,14 @@ class NgramProposer(Proposer):
         return []
 
 
+# The most output tokens the draft computes to catch up with a sequence before drafting for it.
+# A sequence that decoded without drafts for longer (in a batch above disable_by_batch_size)
+# drafts no more: catching up is a prefill of all those tokens through the draft, which the
+# drafts left to its answer rarely repay. It is well above what a sequence paused for low
+# acceptance falls behind (PAUSE_STEPS tokens), so a pause does not end its drafting.
+MAX_CATCH_UP_TOKENS = 32
+
+
 class DraftModelProposer(Proposer):
     """A smaller model with the same vocabulary drafts k tokens, one forward per token, batched
     over the sequences. It keeps its own paged KV cache in its own block pool: per target
@@ -209,7 +217,8 @@ class DraftModelProposer(Proposer):
 
     def _sync(self, seq: Sequence, k: int) -> bool:
         """Bring seq's shadow up to date: keep the K/V of the tokens the target agrees with, and
-        hold blocks for the tokens to compute. False if the draft's pool has no room."""
+        hold blocks for the tokens to compute. False, drafting nothing, if the draft's pool has no
+        room or the shadow is more than MAX_CATCH_UP_TOKENS of output behind."""
         shadow = self._shadows.get(seq)
         if shadow is None:
             # Default params: the runner must not compute prompt logprobs for the draft.
@@ -220,6 +229,8 @@ class DraftModelProposer(Proposer):
             if mine != theirs:
                 break
             same += 1
+        if seq.num_tokens - max(same, seq.num_prompt_tokens) > MAX_CATCH_UP_TOKENS:
+            return False  # it decoded too long without drafts: catching up would cost more than it saves
         shadow.all_token_ids = list(seq.all_token_ids)
         shadow.num_computed_tokens = min(same, seq.num_tokens - 1)
         self._trim(shadow, shadow.num_computed_tokens)
