@@ -193,9 +193,9 @@ def time_yaie_mask(tokenizer: Any, vocab_size: int, schemas: list[str], batch: i
         assert mask is not None
         mask.apply(logits)
         total += (time.perf_counter() - started) if step else 0.0
-        for row, token in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
+        for row, spec, token in zip(rows, specs, logits.argmax(dim=-1).tolist(), strict=True):
             if row.grammar.is_terminated():
-                row.grammar = compiler.compile(row.sampling_params.structured_outputs).matcher()
+                row.grammar = compiler.compile(spec).matcher()
             else:
                 assert row.grammar.accept(token)
     return total / steps
