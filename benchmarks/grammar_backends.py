@@ -12,16 +12,23 @@ For each library:
   built (every constrained row's mask filled, the rows in parallel) and applied, at the same
   batch sizes;
 - with --throughput, the bundled model in the engine's default quantization serving 1, 8 and 32
-  clients in a closed loop (each sends its next request when the last one ends), every request
-  with a JSON schema of the test set against none, the two runs alternating: the tokens/s
-  ratio, the mean step time of the unconstrained run, and GrammarMask's cost above as a share
-  of that step.
+  clients in a closed loop (each sends its next request when the last one ends): the tokens/s
+  of a run where every request has a JSON schema of the test set against a run of the same
+  work unconstrained, the mean step time of the unconstrained run, and GrammarMask's cost above
+  as a share of that step. The same work: a constrained answer ends when its grammar is
+  complete (often well before max_tokens), where an unconstrained one would run on, so the
+  unconstrained run replays the constrained one's requests in the same order, each with the
+  same prompt and max_tokens set to the length the constrained answer had, ignoring EOS. Both
+  runs then prefill the same prompts and decode the same number of tokens in the same batches;
+  what differs is the grammar's work alone (masks, the sampler's cut of banned tokens, the
+  matcher's advance). Each constrained run is followed by its unconstrained twin; the ratio
+  printed is the median of the pairs' ratios.
 
 xgrammar is not one of yaie's dependencies; for this comparison install it without the triton
 it asks for (CPU only): pip install --no-deps xgrammar apache-tvm-ffi
 
     nice -n 19 python benchmarks/grammar_backends.py [--steps 40] [--threads 1]
-        [--throughput] [--repeats 3] [--tokens 384]
+        [--throughput] [--repeats 5] [--tokens 1024]
 """
 
 from __future__ import annotations
@@ -186,39 +193,67 @@ def time_yaie_mask(tokenizer: Any, vocab_size: int, schemas: list[str], batch: i
         assert mask is not None
         mask.apply(logits)
         total += (time.perf_counter() - started) if step else 0.0
-        for row, token in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
+        for row, spec, token in zip(rows, specs, logits.argmax(dim=-1).tolist(), strict=True):
             if row.grammar.is_terminated():
-                row.grammar = compiler.compile(row.sampling_params.structured_outputs).matcher()
+                row.grammar = compiler.compile(spec).matcher()
             else:
                 assert row.grammar.accept(token)
     return total / steps
 
 
-def closed_loop(
-    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], clients: int, tokens: int
-) -> tuple[float, float]:
-    """(tokens/s, mean seconds a step) of `clients` clients in a closed loop until `tokens`
-    tokens are out; client requests cycle through (prompts[i], params[i])."""
-    engine, sent, out, steps = llm.engine, 0, 0, 0
+Request = tuple[list[int], SamplingParams]
+
+
+@dataclass
+class Run:
+    rate: float  # output tokens a second
+    step_s: float  # mean seconds a step
+    lengths: list[int]  # output tokens of each request sent, in the order sent
+
+
+def closed_loop(llm: LLM, requests: list[Request], clients: int, tokens: int) -> Run:
+    """`clients` clients in a closed loop until `tokens` tokens are out: each sends the next of
+    `requests` (cycling) when its last one ends. The requests still running then are drained,
+    untimed, so that every request sent has its length."""
+    engine, out, steps = llm.engine, 0, 0
+    ids: list[str] = []
+    lengths: dict[str, int] = {}  # by request id, once finished
 
     def send() -> None:
-        nonlocal sent
-        engine.add_request(None, prompts[sent % len(prompts)], params[sent % len(params)])
-        sent += 1
+        prompt, params = requests[len(ids) % len(requests)]
+        ids.append(engine.add_request(None, prompt, params))
+
+    def step() -> int:
+        """One engine step; the tokens it put out."""
+        produced = 0
+        for output in engine.step():
+            produced += len(output.outputs[0].delta_token_ids)
+            if output.finished:
+                lengths[output.request_id] = len(output.outputs[0].token_ids)
+        return produced
 
     for _ in range(clients):
         send()
     started = time.perf_counter()
     while out < tokens:
-        for output in engine.step():
-            out += len(output.outputs[0].delta_token_ids)
-            if output.finished:
-                send()
+        finished = len(lengths)
+        out += step()
+        for _ in range(len(lengths) - finished):
+            send()
         steps += 1
     elapsed = time.perf_counter() - started
-    while engine.has_unfinished_requests():  # drain, untimed
-        engine.step()
-    return out / elapsed, elapsed / steps
+    while engine.has_unfinished_requests():
+        step()
+    return Run(out / elapsed, elapsed / steps, [lengths[request_id] for request_id in ids])
+
+
+def same_work(prompts: list[list[int]], lengths: list[int]) -> list[Request]:
+    """Unconstrained requests doing what a constrained run did: request i has the prompt of the
+    constrained run's request i and as many output tokens as that one had (ignoring EOS)."""
+    return [
+        (prompts[i % len(prompts)], SamplingParams(max_tokens=length, ignore_eos=True))
+        for i, length in enumerate(lengths)
+    ]
 
 
 def time_throughput(
@@ -230,21 +265,29 @@ def time_throughput(
         for name in names
     ]
     constrained = [
-        SamplingParams(max_tokens=64, structured_outputs=StructuredOutputs(json=schema)) for schema in schemas
+        (prompt, SamplingParams(max_tokens=64, structured_outputs=StructuredOutputs(json=schema)))
+        for prompt, schema in zip(prompts, schemas, strict=True)
     ]
-    free = [SamplingParams(max_tokens=64) for _ in schemas]
-    closed_loop(llm, prompts, constrained, 8, tokens // 2)  # warm-up: grammars compiled, kernels built
-    print(f"\n{tokens} tokens a run, {repeats} runs each, alternating; medians:")
+    closed_loop(llm, constrained, 8, tokens // 2)  # warm-up: grammars compiled, kernels built
+    print(
+        f"\n{tokens} tokens a run, {repeats} runs each; each JSON run is followed by an unconstrained"
+        " one\nwith the same requests' prompts and output lengths (ignore_eos); medians of the runs:"
+    )
     for clients in BATCHES:
-        runs: dict[str, list[tuple[float, float]]] = {"json": [], "free": []}
+        runs: dict[str, list[Run]] = {"json": [], "free": []}
         for _ in range(repeats):
-            runs["free"].append(closed_loop(llm, prompts, free, clients, tokens))
-            runs["json"].append(closed_loop(llm, prompts, constrained, clients, tokens))
-        rate = {kind: statistics.median(r for r, _ in values) for kind, values in runs.items()}
-        step = statistics.median(s for _, s in runs["free"])
+            run = closed_loop(llm, constrained, clients, tokens)
+            runs["json"].append(run)
+            runs["free"].append(closed_loop(llm, same_work(prompts, run.lengths), clients, tokens))
+        rate = {kind: statistics.median(run.rate for run in values) for kind, values in runs.items()}
+        # Each pair ran back to back, so its ratio is the least exposed to the machine's drift.
+        ratio = statistics.median(j.rate / f.rate for j, f in zip(runs["json"], runs["free"], strict=True))
+        step = statistics.median(run.step_s for run in runs["free"])
+        mean_length = statistics.mean(length for run in runs["json"] for length in run.lengths)
         print(
-            f"  {clients:2d} clients: JSON schema {rate['json']:6.1f} tok/s, none {rate['free']:6.1f} tok/s"
-            f" ({rate['json'] / rate['free']:.2f}x); unconstrained step {step * 1e3:6.2f} ms,"
+            f"  {clients:2d} clients: JSON schema {rate['json']:6.1f} tok/s, none {rate['free']:6.1f} tok/s,"
+            f" pairs' median ratio {ratio:.2f}x; {mean_length:4.1f} tokens a request;"
+            f" unconstrained step {step * 1e3:6.2f} ms,"
             f" GrammarMask {masks[clients] * 1e3:5.2f} ms = {masks[clients] / step:4.0%} of it"
         )
 
@@ -256,8 +299,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--throughput", action="store_true", help="also serve clients (see above)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=384, help="tokens out per throughput run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens out per throughput run")
     parser.add_argument("--skip-xgrammar", action="store_true", help="measure yaie's path only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
