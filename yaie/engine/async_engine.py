@@ -97,7 +97,7 @@ class RequestStream:
         if not self._queue.full():  # a reader waits only on an empty queue
             self._queue.put_nowait(None)
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
+    def _put(self, item: Outcome) -> None:
         if self._done:  # after close(), late outputs have no reader
             return
         if self._queue.full():
@@ -105,6 +105,11 @@ class RequestStream:
             self.close()
             return
         self._queue.put_nowait(item)
+
+
+Outcome = RequestOutput | BaseException  # what a stream receives: an output, or its error
+StreamEntry = tuple[asyncio.AbstractEventLoop, RequestStream]  # a stream and the loop it lives on
+Delivery = tuple[str, StreamEntry, Outcome]  # for one request
 
 
 class AsyncEngine:
@@ -121,7 +126,7 @@ class AsyncEngine:
         self._commands: deque[Callable[[], None]] = deque()  # guarded by _wakeup
         self._stopping = False  # guarded by _wakeup
         self._closed = False  # event-loop side: refuse new requests
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
+        self._streams: dict[str, StreamEntry] = {}  # engine thread only
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             TOKENIZER_THREADS, thread_name_prefix="yaie-tokenize"
         )
@@ -333,6 +338,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
             self._fail_all(RequestFailedError(f"the engine failed: {exc!r}"))
             return
+        deliveries: list[Delivery] = []
         for output in outputs:
             entry = self._streams.get(output.request_id)
             if entry is None:
@@ -340,27 +346,39 @@ class AsyncEngine:
             if output.finished:
                 del self._streams[output.request_id]
             failure = RequestFailedError(output.error) if output.error is not None else None
-            self._deliver(output.request_id, entry, failure or output)
+            deliveries.append((output.request_id, entry, failure or output))
+        self._deliver(deliveries)
 
     def _deliver(
         self,
-        request_id: str,
-        entry: tuple[asyncio.AbstractEventLoop, RequestStream],
-        item: RequestOutput | BaseException,
+        deliveries: list[Delivery],
     ) -> None:
-        loop, stream = entry
-        try:
-            loop.call_soon_threadsafe(stream._put, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            logger.warning("dropping request %s: its event loop is closed", request_id)
-            self._streams.pop(request_id, None)
-            self._engine.abort(request_id)
+        """Hand each (request id, its stream's entry, output or error) to its stream: one call
+        into each event loop for all of them, so that a step wakes the loop once, not once for
+        every request it advanced."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, RequestStream, Outcome]]] = {}
+        for request_id, (loop, stream), item in deliveries:
+            by_loop.setdefault(loop, []).append((request_id, stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, [(stream, item) for _, stream, item in items])
+            except RuntimeError:  # its event loop is closed: nobody is listening any more
+                for request_id, _, _ in items:
+                    logger.warning("dropping request %s: its event loop is closed", request_id)
+                    self._streams.pop(request_id, None)
+                    self._engine.abort(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
-        for request_id, entry in streams.items():
+        for request_id in streams:
             try:
                 self._engine.abort(request_id)
             except Exception:  # keep failing the others; this one gets its error regardless
                 logger.exception("could not abort request %s", request_id)
-            self._deliver(request_id, entry, error)
+        self._deliver([(request_id, entry, error) for request_id, entry in streams.items()])
+
+
+def _put_all(items: list[tuple[RequestStream, Outcome]]) -> None:
+    """On the event loop: one step's outputs (or errors) into their streams."""
+    for stream, item in items:
+        stream._put(item)

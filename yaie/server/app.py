@@ -218,6 +218,10 @@ async def _collect(chunks: AsyncGenerator[ChunkT, None]) -> list[ChunkT]:
 
 async def _merge(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """The outputs of several streams as they come, each with its stream's position."""
+    if len(streams) == 1:  # one prompt, as most calls have: no task and no wait per output
+        async for output in streams[0]:
+            yield 0, output
+        return
     pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
     try:
         while pending:
