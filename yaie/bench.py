@@ -280,6 +280,7 @@ def yaie_server(
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "yaie.cli", "serve", *serve_args, "--host", "127.0.0.1"]
     command += ["--port", str(port)]
+    print(f"starting: {' '.join(command[2:])}", file=sys.stderr)
     if log is None:
         process = subprocess.Popen(command, env=env)
     else:
