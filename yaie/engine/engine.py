@@ -336,7 +336,7 @@ class Engine:
             self.speculator.record(batch)
         # Counted before the update moves the counts they are computed from.
         generated = sum(item.num_generated_tokens() for item in batch.scheduled) if watched else 0
-        shape = StepShape.of(batch)
+        shape = StepShape.of(batch.scheduled)
         self.scheduler.update(batch)
         if shape.num_tokens:
             self.step_totals.add(shape, time.perf_counter() - started)

@@ -8,14 +8,27 @@ the engine sums the shapes of the steps it runs, with their times (`StepTotals`)
 exports the sums (/metrics), so that a load test can see what the engine computed and how long
 that took, and the cost model can be checked against a real server.
 
-Pure Python: no torch, like the scheduler it reads.
+Pure Python: no torch, like the scheduler whose steps it counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from yaie.engine.scheduler import SchedulerOutput
+
+class Scheduled(Protocol):
+    """One sequence's part of a step, as a shape counts it (ScheduledSequence has these)."""
+
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def decoding(self) -> bool: ...
+    @property
+    def context_len(self) -> int: ...
+    @property
+    def samples(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -30,10 +43,11 @@ class StepShape:
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @classmethod
-    def of(cls, batch: SchedulerOutput) -> StepShape:
-        """The shape of a scheduled step; take it before `Scheduler.update` moves the counts."""
+    def of(cls, items: Iterable[Scheduled]) -> StepShape:
+        """The shape of a step of these items: a SchedulerOutput's `scheduled` (taken before
+        `Scheduler.update` moves the counts), or the simulator's record of them."""
         prefill = decode = kv = sampled = 0
-        for item in batch.scheduled:
+        for item in items:
             if item.decoding:
                 decode += item.num_new_tokens
             else:

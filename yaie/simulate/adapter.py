@@ -12,7 +12,6 @@ from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import Sequence, SequenceStatus
-from yaie.engine.step_shape import StepShape
 from yaie.sampling_params import SamplingParams
 
 
@@ -31,15 +30,6 @@ def step_items(output: SchedulerOutput) -> list[StepItem]:
     for s in output.scheduled:
         items.append(StepItem(s.seq, s.num_new_tokens, s.context_len, s.samples, s.decoding))
     return items
-
-
-def step_shape(items: list[StepItem]) -> StepShape:
-    return StepShape(
-        num_prefill_tokens=sum(item.num_new_tokens for item in items if not item.decoding),
-        num_decode_tokens=sum(item.num_new_tokens for item in items if item.decoding),
-        num_kv_tokens=sum(item.context_len for item in items),
-        num_sampled=sum(item.samples for item in items),
-    )
 
 
 class EngineScheduler:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from yaie.engine.sequence import Sequence
 from yaie.engine.step_shape import StepShape
-from yaie.simulate.adapter import EngineScheduler, StepItem, step_shape
+from yaie.simulate.adapter import EngineScheduler, StepItem
 from yaie.simulate.cost_model import CostModel
 from yaie.simulate.traffic import VOCAB_SIZE, Request, Traffic
 
@@ -242,10 +242,10 @@ class _Simulation:
             return self.cost.step_time(padded)
         k = self.scenario.spec_tokens
         if not k:
-            return self.cost.step_time(step_shape(items))
+            return self.cost.step_time(StepShape.of(items))
         # The target verifies k drafts + 1 per decoding sequence; the draft model runs k times.
         decoding = [item for item in items if item.decoding]
-        shape = step_shape(items)
+        shape = StepShape.of(items)
         verified = replace(
             shape,
             num_decode_tokens=shape.num_decode_tokens + sum(k + 1 - item.num_new_tokens for item in decoding),
