@@ -16,7 +16,7 @@ from yaie.model.loader import bundled_model_path, load_tokenizer
 from yaie.sampling.processors import NEG_INF, GrammarMask, build_processors
 from yaie.sampling.sampler import Sampler
 from yaie.sampling_params import SamplingParams
-from yaie.structured.backend import GrammarCompiler, GrammarError, GrammarMatcher, fill_masks
+from yaie.structured.backend import GrammarCompiler, GrammarError, GrammarMatcher
 from yaie.structured.spec import StructuredOutputs
 from yaie.structured.tools import ToolCallParser, call_grammar, hermes_messages, parse_call
 
@@ -192,7 +192,7 @@ def test_grammar_mask_touches_constrained_rows_only(compiler: GrammarCompiler, t
             assert token.token_ids[0] in allowed.tolist()
 
 
-def test_rows_filled_together_get_each_its_own_mask(compiler: GrammarCompiler, tokenizer: Any) -> None:
+def test_each_constrained_row_gets_its_own_mask(compiler: GrammarCompiler, tokenizer: Any) -> None:
     specs = [
         StructuredOutputs(choice=["yes", "no"]),
         StructuredOutputs(regex="[0-9]+"),
@@ -200,13 +200,18 @@ def test_rows_filled_together_get_each_its_own_mask(compiler: GrammarCompiler, t
     ]
     matchers = [compiler.compile(spec).matcher() for spec in specs * 3]
     walk(matchers[-1], tokenizer, '{"a": "x')  # not all at their start
-    together = torch.empty(len(matchers), -(-len(tokenizer) // 32), dtype=torch.int32)
-    fill_masks(matchers, together)
+    rows = [
+        Row(SamplingParams(temperature=0, structured_outputs=spec), matcher)
+        for spec, matcher in zip(specs * 3, matchers, strict=True)
+    ]
+    [mask] = build_processors(rows, [], torch.device("cpu"))
+    work = torch.zeros(len(rows), len(tokenizer))
+    mask.apply(work)
     for row, matcher in enumerate(matchers):
-        alone = torch.empty(1, together.shape[1], dtype=torch.int32)
-        matcher.fill_mask(alone, 0)
-        assert torch.equal(together[row], alone[0]), row
-    assert not torch.equal(together[0], together[1]) and not torch.equal(together[2], together[8])
+        allowed = torch.zeros(len(tokenizer), dtype=torch.bool)
+        allowed[allowed_ids(matcher)] = True
+        assert torch.equal(work[row] == 0, allowed), row
+    assert not torch.equal(work[0], work[1]) and not torch.equal(work[2], work[8])
 
 
 # -- tools ----------------------------------------------------------------------------------------

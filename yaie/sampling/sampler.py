@@ -212,7 +212,7 @@ class Sampler:
         if weights is None:
             weights = self._full_row_weights(work)
         if threshold is not None:
-            _cut_weights(weights, work, threshold, mask=self._workspace.get("mask", work, torch.bool))
+            _cut_weights(weights, work, threshold, keep=self._workspace.get("keep", work, work.dtype))
         return draw_full_rows(weights, batch.generators)
 
 
@@ -281,7 +281,10 @@ def _draw_threshold(work: torch.Tensor, cut: Cut | None, batch: SamplingBatch) -
 
 
 def _cut_weights(
-    weights: torch.Tensor, work: torch.Tensor, threshold: torch.Tensor, mask: torch.Tensor | None = None
+    weights: torch.Tensor, work: torch.Tensor, threshold: torch.Tensor, keep: torch.Tensor | None = None
 ) -> None:
     """Zero, in place, the weights of the logits below their row's threshold [n]."""
-    weights.masked_fill_(torch.lt(work, threshold.unsqueeze(1), out=mask), 0.0)
+    # The comparison written out as floats (1 kept, 0 cut) and a multiply: both vectorise on a
+    # CPU, where a bool mask and masked_fill_ go element by element, about ten times slower
+    # over [8, 49152] (the weights are finite, so 0 times any of them is 0).
+    weights.mul_(torch.ge(work, threshold.unsqueeze(1), out=keep))

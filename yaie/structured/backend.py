@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -36,33 +36,6 @@ JSON_OPTIONS: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
-
-
-_executor: Any = None  # an llguidance.LLExecutor, made on first use (it starts threads)
-_executor_lock = threading.Lock()
-
-
-def fill_masks(matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
-    """Write the tokens each of `matchers` allows next into its row of `bitmask` (row i for
-    matchers[i]; int32, CPU, contiguous). The rows are filled in parallel on llguidance's own
-    threads, which run without the GIL: one step's constrained rows cost about the slowest row
-    rather than their sum, where cores are free."""
-    if len(matchers) == 1:
-        matchers[0].fill_mask(bitmask, 0)
-        return
-    row_bytes = bitmask.shape[1] * bitmask.element_size()
-    rows = [(matcher._matcher, row) for row, matcher in enumerate(matchers)]
-    _shared_executor().unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
-    for matcher in matchers:
-        matcher._raise_on_error()
-
-
-def _shared_executor() -> Any:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()  # threads: 80% of the CPUs, at most 32
-        return _executor
 
 
 class GrammarError(InvalidRequestError):
