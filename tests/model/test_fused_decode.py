@@ -34,7 +34,7 @@ def generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]
 
 def fused_and_python(llm: LLM, prompts: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, int]:
     """The same generation with the native decode path, then with it turned off; and how many
-    layer steps took the native path."""
+    steps took the native path."""
     calls = 0
     native = FusedDecode.__call__
 
@@ -70,7 +70,7 @@ def test_qkv_biases_and_a_tied_head(tmp_path, vocab, qwen2, native_kernels, monk
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="dense weights are packed by oneDNN")
 def test_dense_fp32_layers(tmp_path, vocab, llama, native_kernels, monkeypatch):  # noqa: F811
     llm = quantized_llm(write(tmp_path, vocab, "llama", llama, Q.Q4_1), quantization="none")
-    assert all(layer.fused_decode is not None for layer in llm.engine.runner.model.layers)
+    assert llm.engine.runner.model.fused_decode is not None
     fused, python, calls = fused_and_python(llm, PROMPTS, monkeypatch)
     assert fused == python and calls > 0
 
@@ -78,7 +78,7 @@ def test_dense_fp32_layers(tmp_path, vocab, llama, native_kernels, monkeypatch):
 def test_qk_norm_layers_keep_the_python_forward(tmp_path, native_kernels):
     make_tiny_model("qwen3", tmp_path / "qwen3", seed=2)
     qwen3 = LLM(str(tmp_path / "qwen3"), quantization="int4", num_kv_blocks=8)
-    assert all(layer.fused_decode is None for layer in qwen3.engine.runner.model.layers)
+    assert qwen3.engine.runner.model.fused_decode is None
 
 
 def test_without_native_kernels_the_python_forward_runs(tmp_path, vocab, llama, pytorch_only, monkeypatch):  # noqa: F811

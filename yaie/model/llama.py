@@ -56,8 +56,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        # Set by CausalLM.pack() where the native decode call covers the layer (yaie/model/fused_decode.py).
-        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -68,8 +66,6 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to `residual` (the running sum of
         the embedding and every sublayer's output). Returns this layer's pair."""
-        if self.fused_decode is not None and self.fused_decode.runs(x, meta):
-            return self.fused_decode(x, residual, rope, meta)
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, rope, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
@@ -89,6 +85,8 @@ class CausalLM(nn.Module):
         # With tied embeddings the loader fills this with a copy of the embedding table (or, if
         # the table is quantized, makes it the one table both use).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # Set by pack() where the native decode calls cover every layer (yaie/model/fused_decode.py).
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -97,8 +95,11 @@ class CausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         x = torch.zeros_like(residual)  # nothing to add before the first layer
         rope = self.rope(positions, residual.dtype)
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, meta)
+        if self.fused_decode is not None and self.fused_decode.runs(x, meta):
+            x, residual = self.fused_decode(x, residual, rope, meta)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, rope, meta)
         return self.norm.add_forward(x, residual)[0]
 
     @property
@@ -115,5 +116,4 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        for layer in self.layers:
-            layer.fused_decode = FusedDecode.for_layer(layer)
+        self.fused_decode = FusedDecode.for_layers(list(self.layers))
