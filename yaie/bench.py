@@ -68,10 +68,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from yaie.engine.step_shape import STEP_METRICS, StepShape, StepTotals
+
 if TYPE_CHECKING:
     from yaie.config import EngineConfig
     from yaie.engine.engine import Engine
-    from yaie.engine.step_shape import StepShape
     from yaie.simulate.cost_model import CostModel
 
 SHORT_QUESTIONS = (
@@ -224,16 +225,8 @@ class LevelResult:
 
 
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-# The sums of yaie's engine steps (yaie/server/metrics.py STEP_METRICS), by StepTotals field.
-STEP_COUNTERS = {
-    "engine_steps": "num_steps",
-    "engine_step_seconds": "busy_s",
-    "engine_prefill_steps": "num_prefill_steps",
-    "engine_prefill_tokens": "num_prefill_tokens",
-    "engine_decode_tokens": "num_decode_tokens",
-    "engine_kv_tokens_read": "num_kv_tokens",
-    "engine_sampled_rows": "num_sampled",
-}
+# The sums of yaie's engine steps, by metric name: the StepTotals field each counts.
+STEP_COUNTERS = {name: attribute for attribute, name, _ in STEP_METRICS}
 
 
 def server_counters(exposition: str, names: Iterable[str]) -> dict[str, float] | None:
@@ -672,7 +665,6 @@ def _run_timed(
     """Run requests of random (so uncached) prompts to the end, recording each step's shape and
     time (what the step added to the engine's StepTotals). Once they decode, a one-token request
     of each `joining` length joins, one per step."""
-    from yaie.engine.step_shape import StepShape
     from yaie.sampling_params import SamplingParams
 
     rng = random.Random(len(shapes))
@@ -712,7 +704,6 @@ FRONT_END_LEVELS = ((1, 8, 16), (4, 16, 64), (16, 32, 16), (16, 32, 64))
 def fit_front_end(base_url: str, cost: CostModel, console: Console) -> CostModel:
     """`cost` with the front end's terms, from FRONT_END_LEVELS against the yaie server at
     `base_url` (running the engine `cost` was fitted on), short prompts, streamed."""
-    from yaie.engine.step_shape import StepTotals
     from yaie.simulate.cost_model import ServedLevel
 
     served: list[ServedLevel] = []

@@ -77,3 +77,16 @@ class StepTotals:
         self.num_kv_tokens += shape.num_kv_tokens
         self.num_sampled += shape.num_sampled
         self.busy_s += seconds
+
+
+# How the server exports StepTotals' fields (/metrics counters, "_total" appended): (field,
+# metric name, help). `yaie bench` reads the same names to get each load level's sums.
+STEP_METRICS = (
+    ("num_steps", "engine_steps", "Engine steps run."),
+    ("busy_s", "engine_step_seconds", "Seconds the engine spent in its steps."),
+    ("num_prefill_steps", "engine_prefill_steps", "Steps that computed prompt (or recomputed) tokens."),
+    ("num_prefill_tokens", "engine_prefill_tokens", "Prompt (or recomputed) tokens computed."),
+    ("num_decode_tokens", "engine_decode_tokens", "Tokens computed past their prompt (drafts included)."),
+    ("num_kv_tokens", "engine_kv_tokens_read", "K/V tokens attention read, summed over steps."),
+    ("num_sampled", "engine_sampled_rows", "Rows that sampled a token."),
+)

@@ -6,7 +6,8 @@ cost as much as the matmuls; with fp32 weights, a third as much. The native op r
 kernels in the same order without them, so it changes the speed of a step, never its result.
 The layers' calls are made from one loop here, not from each layer's module: going through
 every DecoderLayer's forward (the module call, the checks below, its arguments gathered anew)
-cost one client's decoding about a seventh of its speed with the bundled Q4_1 model.
+cost one client's decoding a few per cent of its speed with the bundled Q4_1 model (README,
+"Where one client's time goes").
 
 It applies when every layer is without q/k norms and has its four projections all
 QuantizedLinear (float32 activations) or all oneDNN-packed Linear, to a step in which every token
@@ -44,7 +45,7 @@ def _projection(layer: torch.nn.Module) -> list[torch.Tensor | None]:
     return [layer.packed, layer.bias]
 
 
-def _covered(projections: tuple[torch.nn.Module, ...], dtype: torch.dtype) -> bool:
+def _projections_covered(projections: tuple[torch.nn.Module, ...], dtype: torch.dtype) -> bool:
     if all(isinstance(p, QuantizedLinear) for p in projections):
         # The quantized kernels take float32 activations, in the weight's own input order (GPTQ's
         # act-order permutes it, which only the layer's forward applies).
@@ -52,10 +53,10 @@ def _covered(projections: tuple[torch.nn.Module, ...], dtype: torch.dtype) -> bo
     return all(isinstance(p, Linear) and p.packed is not None for p in projections)
 
 
-def _covers(layer: DecoderLayer) -> bool:
+def _layer_covered(layer: DecoderLayer) -> bool:
     norm = layer.input_layernorm
     return (
-        _covered(_projections(layer), norm.weight.dtype)
+        _projections_covered(_projections(layer), norm.weight.dtype)
         and layer.self_attn.q_norm is None
         and norm.eps == layer.post_attention_layernorm.eps
     )
@@ -82,7 +83,7 @@ class FusedDecode:
     @classmethod
     def for_layers(cls, layers: Sequence[DecoderLayer]) -> FusedDecode | None:
         """A FusedDecode if the native op covers every one of `layers`, else None."""
-        return cls(layers) if layers and all(_covers(layer) for layer in layers) else None
+        return cls(layers) if layers and all(_layer_covered(layer) for layer in layers) else None
 
     def runs(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step can take the native path."""

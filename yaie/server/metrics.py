@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from yaie.engine.engine import EngineStats
-from yaie.engine.step_shape import StepTotals
+from yaie.engine.step_shape import STEP_METRICS, StepTotals
 from yaie.outputs import RequestOutput
 from yaie.spec.metrics import spec_decode_metrics
 
@@ -57,20 +57,8 @@ class _EngineStatsCollector(Collector):
             yield from spec_decode_metrics(stats.spec_decode)
 
 
-# (StepTotals field, metric name, help): the sums of the engine's steps, which `yaie bench` reads
-# per load level (what the engine computed in it, and for how long it was busy).
-STEP_METRICS = (
-    ("num_steps", "engine_steps", "Engine steps run."),
-    ("busy_s", "engine_step_seconds", "Seconds the engine spent in its steps."),
-    ("num_prefill_steps", "engine_prefill_steps", "Steps that computed prompt (or recomputed) tokens."),
-    ("num_prefill_tokens", "engine_prefill_tokens", "Prompt (or recomputed) tokens computed."),
-    ("num_decode_tokens", "engine_decode_tokens", "Tokens computed past their prompt (drafts included)."),
-    ("num_kv_tokens", "engine_kv_tokens_read", "K/V tokens attention read, summed over steps."),
-    ("num_sampled", "engine_sampled_rows", "Rows that sampled a token."),
-)
-
-
 def step_metrics(totals: StepTotals) -> Iterator[Metric]:
+    """The sums of the engine's steps, as counters (STEP_METRICS)."""
     for attribute, name, documentation in STEP_METRICS:
         yield CounterMetricFamily(name, documentation, value=getattr(totals, attribute))
 
