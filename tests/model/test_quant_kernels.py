@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from yaie.model import quant
-from yaie.model.quant import QuantizedLinear
+from yaie.model.quant import QuantizedEmbedding, QuantizedLinear
 
 T = GGMLQuantizationType
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
@@ -126,6 +126,28 @@ def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
     raw = random_blocks(ggml_type, 11, 512, seed=1)
     layer = QuantizedLinear.from_gguf(raw.tobytes(), ggml_type, 11, 512)
     assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
+
+
+@pytest.mark.parametrize("path", ["native_kernels", "pytorch_only"])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_embedding_rows_are_the_dequantized_weight_rows(ggml_type, path, request):
+    """A quantized table looked up by token: the rows GGUF dequantizes, in any order, repeated,
+    from padded row groups too (11 rows), natively or in PyTorch."""
+    request.getfixturevalue(path)
+    raw = random_blocks(ggml_type, 11, 512, seed=8)
+    layer = QuantizedLinear.from_gguf(raw, ggml_type, 11, 512)
+    table = QuantizedEmbedding.from_linear(layer, torch.float32)
+    ids = torch.tensor([10, 0, 3, 3, 7, 4])
+
+    rows = table(ids)
+
+    torch.testing.assert_close(rows, torch.from_numpy(dequantize(raw, ggml_type))[ids], rtol=1e-6, atol=0)
+
+
+def test_embedding_refuses_ids_outside_the_table(native_kernels):
+    layer = QuantizedLinear.from_gguf(random_blocks(T.Q8_0, 8, 256, seed=9), T.Q8_0, 8, 256)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        QuantizedEmbedding.from_linear(layer, torch.float32)(torch.tensor([8]))
 
 
 # GGUF stores these formats' scales (and Q4_1's mins, Q4_0's -8 d) as float16 values; the

@@ -9,7 +9,8 @@
 //   context of one sequence:  | split 0 (~256 tokens, whole blocks) | split 1 | ... | split n-1 |
 //   each split, for every query head h (GQA: h reads KV head h / group):
 //     pass 1  s[h][t] = scale * q_h . k_t                     (reads the split's K blocks once)
-//     pass 2  p = exp(s - max_t s);  acc[h] = sum_t p[t] v_t  (reads its V blocks once)
+//     pass 2  p = exp(s - max_t s);  acc[h] = sum_t p[t] v_t  (reads its V blocks once; with
+//             AVX2 and an fp32 cache, once per query head, each head's sum kept in registers)
 //   then the splits of a sequence are merged with their maxima and sums (the "flash-decoding"
 //   combine), so one long sequence still keeps every thread busy.
 //
@@ -34,13 +35,60 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t kSplitTokens = 256;  // about this many context tokens per work item
+
+// q . k over one head. With AVX2 the sum is split over four accumulators: a single one makes the
+// 64-value dot one chain of dependent FMAs, whose latency, not the arithmetic, sets its speed.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float out = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int j = 0; j < 4; ++j) {
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+  const __m256 sum8 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+  sum4 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+  out = _mm_cvtss_f32(_mm_add_ss(sum4, _mm_movehdup_ps(sum4)));
+  for (; i < n; ++i) out += a[i] * b[i];
+#else
+#pragma omp simd reduction(+ : out)
+  for (int64_t i = 0; i < n; ++i) out += a[i] * b[i];
+#endif
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// out[0, 8 * kVecs) = sum over the tokens begin..end-1 of p[t - begin] * (that token's V row of
+// one KV head), from an fp32 cache. The whole sum stays in registers while the tokens stream by;
+// the portable loop (attend_split) loads, adds to and stores the output at every token.
+template <int kVecs>
+void weighted_sum_avx2(const float* v_cache, const int64_t* block_table, int64_t begin, int64_t end,
+                       int64_t block_size, int64_t token_stride, const float* p, float* out) {
+  __m256 acc[kVecs];
+  for (int j = 0; j < kVecs; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t t = begin; t < end;) {
+    const int64_t offset = t % block_size, count = std::min(block_size - offset, end - t);
+    const float* row = v_cache + (block_table[t / block_size] * block_size + offset) * token_stride;
+    for (int64_t j = 0; j < count; ++j, row += token_stride) {
+      const __m256 weight = _mm256_set1_ps(p[t - begin + j]);
+      for (int v = 0; v < kVecs; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * v), acc[v]);
+    }
+    t += count;
+  }
+  for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#endif
 
 struct Shapes {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -83,7 +131,8 @@ inline const float* widen(const c10::Half* row, int64_t n, float* buf) {
 
 // One split of one sequence, all heads: writes the unnormalised output of every query head to
 // acc [heads, head_dim], and each head's score maximum and exp-sum to max_out / sum_out [heads].
-// Blocks are read whole and in order (a block holds every KV head of its tokens), K once, V once.
+// Blocks are read whole and in order (a block holds every KV head of its tokens), K once, V once
+// (or per query head: see pass 2 above).
 // Q is q's element type, C the cache's.
 template <typename Q, typename C>
 void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t* block_table,
@@ -113,10 +162,7 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
       const float* k = k_row + kv * D;
       for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
         const float* qh = qf.data() + h * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
-        scores[h * n + i] = dot;
+        scores[h * n + i] = dot(qh, k, D);
       }
     }
   });
@@ -135,6 +181,23 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
     sum_out[h] = sum;
   }
 
+#if defined(__AVX2__) && defined(__FMA__)
+  // An fp32 cache with the common head sizes: each head's weighted sum of V rows in registers.
+  if constexpr (std::is_same_v<C, float>) {
+    if (D == 64 || D == 128) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* v_head = v_cache + (h / G) * D;
+        const float* p = scores.data() + h * n;
+        if (D == 64) {
+          weighted_sum_avx2<8>(v_head, block_table, begin, end, s.block_size, token_stride, p, acc + h * D);
+        } else {
+          weighted_sum_avx2<16>(v_head, block_table, begin, end, s.block_size, token_stride, p, acc + h * D);
+        }
+      }
+      return;
+    }
+  }
+#endif
   std::fill(acc, acc + H * D, 0.f);
   for_each_token(v_cache, [&](int64_t i, const float* v_row) {
     for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {

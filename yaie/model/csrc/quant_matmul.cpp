@@ -223,37 +223,56 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const at
 
 namespace {
 
-void dequantize_groups(const PackedWeights& w, int64_t first, int64_t last, float* out) {
+// Row r (0-3) of group g, all its K values as floats, into out.
+void dequantize_row(const PackedWeights& w, int64_t g, int64_t r, float* out) {
   const int64_t bytes = w.bits == 4 ? 64 : 128;
   const int64_t scales_per_block = w.weight_block == 32 ? 4 : 8;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const int64_t wb = g * w.blocks + b;
+    const uint8_t* qw = w.qweight + wb * bytes;
+    float* o = out + b * kBlock;
+    const float scale = stored_float(w.scales, wb * scales_per_block + r, w.half_scales);
+    if (w.bits == 4) {
+      const uint8_t* pair = qw + (r / 2) * 32;
+      const int shift = 4 * (r % 2);
+      const float min = stored_float(w.mins, wb * 4 + r, w.half_scales);
+      for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>((pair[i] >> shift) & 0x0F) + min;
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
+      // Per-16 scales (Q6_K): the four rows' first halves' scales, then their second halves'.
+      const float second = w.weight_block == 32 ? scale : stored_float(w.scales, wb * scales_per_block + 4 + r, w.half_scales);
+      for (int64_t i = 0; i < kBlock; ++i) o[i] = (i < 16 ? scale : second) * static_cast<float>(q[i]);
+    }
+  }
+}
+
+void dequantize_groups(const PackedWeights& w, int64_t first, int64_t last, float* out) {
   const int64_t k = w.blocks * kBlock;
   at::parallel_for(first, last, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t b = 0; b < w.blocks; ++b) {
-        const int64_t wb = g * w.blocks + b;
-        const uint8_t* qw = w.qweight + wb * bytes;
-        float scale[8];
-        for (int64_t i = 0; i < scales_per_block; ++i) {
-          scale[i] = stored_float(w.scales, wb * scales_per_block + i, w.half_scales);
-        }
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          float* o = out + ((g - first) * kGroupRows + r) * k + b * kBlock;
-          if (w.bits == 4) {
-            const uint8_t* pair = qw + (r / 2) * 32;
-            const int shift = 4 * (r % 2);
-            const float min = stored_float(w.mins, wb * 4 + r, w.half_scales);
-            for (int64_t i = 0; i < kBlock; ++i) o[i] = scale[r] * static_cast<float>((pair[i] >> shift) & 0x0F) + min;
-          } else {
-            const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
-            for (int64_t i = 0; i < kBlock; ++i) {
-              const float s = w.weight_block == 32 ? scale[r] : scale[(i / 16) * 4 + r];
-              o[i] = s * static_cast<float>(q[i]);
-            }
-          }
-        }
-      }
+      for (int64_t r = 0; r < kGroupRows; ++r) dequantize_row(w, g, r, out + ((g - first) * kGroupRows + r) * k);
     }
   });
+}
+
+// Embedding lookup in a quantized table (a tied LM head's weight): only the tokens' rows are
+// dequantized, straight from the packed layout, in one call rather than a dozen tensor ops.
+at::Tensor quant_embedding(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                           const at::Tensor& ids) {
+  const PackedWeights w = packed_view(qweight, scales, mins);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-d int64 tensor");
+  const at::Tensor index = ids.contiguous();
+  const int64_t tokens = index.size(0), k = w.blocks * kBlock, rows = w.groups * kGroupRows;
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "token id ", id[t], " is outside the table's ", rows, " rows");
+  }
+  at::Tensor out = at::empty({tokens, k}, qweight.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / k), [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) dequantize_row(w, id[t] / kGroupRows, id[t] % kGroupRows, o + t * k);
+  });
+  return out;
 }
 
 at::Tensor quant_matmul_dequantized(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -285,9 +304,11 @@ TORCH_LIBRARY_FRAGMENT(yaie, m) {
   m.def(
       "quant_matmul_dequantized(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, "
       "int out_features, int tile_rows) -> Tensor");
+  m.def("quant_embedding(Tensor qweight, Tensor scales, Tensor? mins, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(yaie, CPU, m) {
   m.impl("quant_matmul", &yaie_quant::quant_matmul);
   m.impl("quant_matmul_dequantized", &quant_matmul_dequantized);
+  m.impl("quant_embedding", &quant_embedding);
 }
