@@ -54,7 +54,7 @@ def make_case(num_seqs, heads, kv_heads, head_dim, block_size, max_len, dtype, s
 CASES = [
     # seqs, heads, kv_heads, head_dim, block_size, max context
     (8, 9, 3, 64, 16, 170),  # the bundled model's shape (GQA, groups of 3)
-    (1, 9, 3, 64, 16, 1000),  # several 256-token splits, merged
+    (1, 9, 3, 64, 16, 1000),  # several 64-token splits, merged
     (3, 4, 4, 32, 16, 1),  # one token of context
     (5, 8, 2, 128, 32, 700),  # head_dim 128, wider blocks
     (4, 6, 1, 16, 1, 40),  # block size 1, one KV head (MQA)

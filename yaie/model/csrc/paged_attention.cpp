@@ -6,13 +6,17 @@
 // which grows with the context length. Here each (sequence, KV head, stretch of the context) is
 // one work item that walks the block table directly:
 //
-//   context of one sequence:  | split 0 (~256 tokens, whole blocks) | split 1 | ... | split n-1 |
+//   context of one sequence:  | split 0 (~64 tokens, whole blocks) | split 1 | ... | split n-1 |
 //   each split, for every query head h (GQA: h reads KV head h / group):
 //     pass 1  s[h][t] = scale * q_h . k_t                     (reads the split's K blocks once)
 //     pass 2  p = exp(s - max_t s);  acc[h] = sum_t p[t] v_t  (reads its V blocks once; with
 //             AVX2 and an fp32 cache, once per query head, each head's sum kept in registers)
 //   then the splits of a sequence are merged with their maxima and sums (the "flash-decoding"
-//   combine), so one long sequence still keeps every thread busy.
+//   combine), so one sequence still keeps every thread busy: with splits this short, from a
+//   context of ~100 tokens on (one client decoding a chat answer), which made its 30 layers
+//   ~6% faster than 256-token splits at contexts of 120-250 and no slower at 60 or 500 (A/B in
+//   one process). A split's length depends on nothing but the constant, so a sequence's result
+//   does not depend on the batch it runs in.
 //
 // The cache may be fp32, bf16 or fp16, independently of q's dtype (--kv-cache-dtype): a 16-bit
 // cache row is widened to fp32 once as it is read, and all the maths is fp32. An fp32 cache is
@@ -41,7 +45,7 @@
 
 namespace {
 
-constexpr int64_t kSplitTokens = 256;  // about this many context tokens per work item
+constexpr int64_t kSplitTokens = 64;  // about this many context tokens per work item
 
 // q . k over one head. With AVX2 the sum is split over four accumulators: a single one makes the
 // 64-value dot one chain of dependent FMAs, whose latency, not the arithmetic, sets its speed.
