@@ -64,11 +64,19 @@ def test_blocks_held_by_the_cache_alone_are_counted_apart() -> None:
         pool.incref(blocks[:1], by_cache=True)
 
 
-def test_holders_reports_references_and_cache_holds_as_copies():
-    pool = BlockPool(3)
-    a, b = pool.allocate(2)
-    pool.incref([b], by_cache=True)
-    ref_counts, cache_held = pool.holders()
-    assert ref_counts == [1, 2, 0] and cache_held == [False, True, False]
-    ref_counts[a] = 9
-    assert pool.ref_count(a) == 1
+def test_states_follow_every_reference_change():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    assert pool.states() == "uuuf"
+    pool.incref([b, c], by_cache=True)  # the cache shares b and c with their sequences
+    assert pool.states() == "ussf"
+    pool.free([c])  # c's sequence is done: only the cache holds it
+    assert pool.states() == "uscf"
+    pool.incref([c])  # a new sequence reuses the cached c
+    assert pool.states() == "ussf"
+    pool.free([c])
+    pool.free([c], by_cache=True)  # evicted
+    pool.free([a])
+    assert pool.states() == "fsff"
+    pool.free([b], by_cache=True)  # the cache lets go of b, its sequence still holds it
+    assert pool.states() == "fuff"

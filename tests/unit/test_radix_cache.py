@@ -488,6 +488,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The pool's running count of cache-only blocks (the KV metrics' "cached") agrees.
         cache_only = [b for b in tree if b not in held_by_requests]
         assert self.pool.num_cached_only == len(cache_only)
+        # And so does the engine view's state of every block.
+        expected_states = "".join(
+            ("s" if b in held_by_requests else "c") if b in tree else ("u" if b in held_by_requests else "f")
+            for b in range(SM_POOL)
+        )
+        assert self.pool.states() == expected_states
 
     @invariant()
     def tree_is_a_valid_radix_tree(self) -> None:

@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+# A block's state in `BlockPool.states`.
+FREE, HELD, SHARED_WITH_CACHE, CACHED_ONLY = b"f", b"u", b"s", b"c"
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are asked for than are free. Callers check `num_free` first."""
@@ -29,6 +32,7 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._held_by_cache = [False] * num_blocks  # the prefix cache holds one of the references
         self.num_cached_only = 0  # blocks whose only reference is the prefix cache's
+        self._states = bytearray(FREE * num_blocks)  # each block's state (`states`), kept in step
 
     @property
     def num_free(self) -> int:
@@ -42,10 +46,12 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def holders(self) -> tuple[list[int], list[bool]]:
-        """Copies of every block's reference count and whether the prefix cache holds one of
-        them, indexed by block id: the whole pool in two list copies, for the engine view."""
-        return list(self._ref_counts), list(self._held_by_cache)
+    def states(self) -> str:
+        """One character per block id, for the engine view: "f" free, "u" held by sequences,
+        "s" held by sequences and by the prefix cache, "c" held only by the prefix cache. Kept
+        up to date as references change, so that reading it costs a copy, not a pass in Python
+        over the pool (which cost a snapshot of a large pool most of its time)."""
+        return self._states.decode("ascii")
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` free blocks, each with one reference held by the caller."""
@@ -53,7 +59,7 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(count)]
         for block_id in blocks:
-            self._ref_counts[block_id] = 1
+            self._set_count(block_id, 1, was_cached_only=False)
         return blocks
 
     def incref(self, block_ids: Iterable[int], by_cache: bool = False) -> None:
@@ -90,6 +96,12 @@ class BlockPool:
         return self._ref_counts[block_id] == 1 and self._held_by_cache[block_id]
 
     def _set_count(self, block_id: int, count: int, was_cached_only: bool) -> None:
-        """Store a new reference count, keeping `num_cached_only` in step with it."""
+        """Store a new reference count, keeping `num_cached_only` and the states in step with it."""
         self._ref_counts[block_id] = count
         self.num_cached_only += self._cached_only(block_id) - was_cached_only
+        if self._held_by_cache[block_id]:
+            # The cache's reference is one of `count`: a count of 1 is the cache's alone.
+            state = CACHED_ONLY if count == 1 else SHARED_WITH_CACHE
+        else:
+            state = HELD if count else FREE
+        self._states[block_id] = state[0]

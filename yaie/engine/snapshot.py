@@ -146,17 +146,10 @@ def _sequence(seq: Sequence, running: bool) -> dict[str, Any]:
 
 def _kv(engine: Engine) -> dict[str, Any]:
     stats = engine.stats()
-    ref_counts, cache_held = engine.block_pool.holders()
-    # A block the cache holds has one reference more than its sequences: count 1 is cache-only.
-    states = "".join(
-        ("c" if refs == 1 else "s") if cached else ("u" if refs else "f")
-        for refs, cached in zip(ref_counts, cache_held, strict=True)
-    )
     return {
         "num_blocks": stats.num_kv_blocks,
         "num_free": engine.block_pool.num_free,
         "num_used": stats.num_used_kv_blocks,
         "num_cached": stats.num_cached_kv_blocks,
-        "states": states,
+        "states": engine.block_pool.states(),
     }
-
