@@ -118,6 +118,18 @@ def test_add_rms_norm_matches_add_then_rms_norm(rows, dtype, native_kernels):
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 300])  # 300 rows run on several threads
+@pytest.mark.parametrize("intermediate", [1536, 37])  # 37: no whole SIMD vector at the end
+def test_silu_and_mul_is_within_an_ulp_of_pytorch(rows, intermediate, native_kernels):
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    gate_up = torch.randn(rows, 2 * intermediate, generator=gen) * 6  # well into both tails
+    gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, -1e-30])  # exp overflows; silu ~ 0 or x
+    gate, up = gate_up.split(intermediate, dim=-1)
+    out = kernels.silu_and_mul(gate_up)
+    assert out.shape == (rows, intermediate)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
+
+
 def strided_heads(tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """[tokens, heads, head_dim] as a slice of a wider buffer, like q and k inside the qkv output."""
     buffer = torch.randn(tokens, heads + 3, head_dim, generator=torch.Generator().manual_seed(tokens))

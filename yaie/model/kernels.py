@@ -27,7 +27,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
         "paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp", "quant_matmul.cpp", "quant_x86.cpp",
-        "decode_layer.cpp",
+        "activation.cpp", "decode_layer.cpp",
     )
 ]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
@@ -119,3 +119,9 @@ def write_kv(
     """Copy each token's k and v heads [tokens, kv_heads, head_dim] into its cache slot, converted
     to the caches' dtype (rounding to nearest, as `Tensor.to` does)."""
     torch.ops.yaie.write_kv(k, v, slot_mapping, k_cache, v_cache)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [tokens, 2 * intermediate] float32 -> [tokens, intermediate];
+    about an ulp from PyTorch's silu (see csrc/activation.cpp for who may use it)."""
+    return torch.ops.yaie.silu_and_mul(gate_up)

@@ -9,7 +9,7 @@
 //   o        = paged_decode_attention(q, caches)             [rows, heads, dim]
 //   h        = add_rms_norm(o @ o_proj^T, residual, post_attention_norm)
 //   gate, up = split(h @ gate_up_proj^T)
-//   return     (silu(gate) * up) @ down_proj^T
+//   return     (silu(gate) * up) @ down_proj^T                  one native pass if down_proj is quantized
 //
 // The steps are the same kernels the Python path calls, in the same order, so the result is the
 // same to the bit. What goes is the Python between them: a one-token step makes ~20 Python-level
@@ -69,6 +69,7 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
   static const auto write_kv =
       find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&)>(
           "yaie::write_kv");
+  static const auto silu_and_mul = find_op<at::Tensor(const at::Tensor&)>("yaie::silu_and_mul");
   static const auto paged_decode_attention =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, double)>("yaie::paged_decode_attention");
@@ -89,8 +90,12 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
   h = add_rms_norm.call(project(o.view({rows, num_heads * head_dim}), o_proj, hidden, isa), residual,
                         post_attention_norm, eps);
   const at::Tensor gate_up = project(h, gate_up_proj, 2 * intermediate_size, isa);
-  const at::Tensor act = at::silu(gate_up.narrow(1, 0, intermediate_size))
-                             .mul_(gate_up.narrow(1, intermediate_size, intermediate_size));
+  // A quantized down projection takes the native silu * up (csrc/activation.cpp says why only it),
+  // as GatedMLP.forward does.
+  const at::Tensor act = down_proj.size() == 4
+                             ? silu_and_mul.call(gate_up)
+                             : at::silu(gate_up.narrow(1, 0, intermediate_size))
+                                   .mul_(gate_up.narrow(1, intermediate_size, intermediate_size));
   return project(act, down_proj, hidden, isa);
 }
 
