@@ -4,6 +4,7 @@ vs none, against the same server under the same steady load, in the same run.
     python benchmarks/web_overhead.py [--pages 10] [--concurrency 8] [--max-tokens 128]
         [--pairs 20] [--window-s 10] [--settle-s 1] [--warmup-s 15] [--quantization auto]
         [--out benchmarks/results/web_overhead.json] [-- serve args]
+    python benchmarks/web_overhead.py --pool REPORT.json [REPORT.json ...]
 
 One `yaie serve` is started, and one closed-loop load runs against it the whole time:
 `--concurrency` clients, each streaming greedy, ignore_eos chat completions of the short prompt
@@ -23,7 +24,7 @@ Each window's throughput is the server's own count: its generated-token counter 
 the window's edges. The clients' count of the text chunks they received (about one a token) is
 kept as a cross-check. The estimate is the mean of the pairs' slowdowns (1 - with pages /
 without, each from two adjacent windows), with its 95% confidence interval (Student's t), and
-their median.
+their median. `--pool` pools the pairs of several runs' reports into one estimate.
 
 On a shared virtual machine the speed of a CPU second itself drifts by several percent from
 one ten-second window to the next, whatever runs on it, and throughput takes all of that noise.
@@ -378,6 +379,26 @@ def describe(name: str, e: dict[str, Any]) -> str:
     )
 
 
+# What pairs_estimates computes, as the report prints it.
+ESTIMATES = (
+    ("slowdown (server's tokens)", "output_tok_s_slowdown"),
+    ("slowdown (clients' chunks)", "client_chunks_s_slowdown"),
+    ("server CPU per token, more", "server_cpu_per_token_increase"),
+    ("CPU time decoding lost", "decode_cpu_loss"),
+    ("  to the event loop", "loop_cpu_more"),
+    ("  to the snapshots", "snapshot_cpu"),
+    ("  to the load generator", "load_generator_cpu_more"),
+    ("  left idle", "idle_cpu_more"),
+)
+
+
+def pool(reports: list[Path]) -> dict[str, dict[str, Any]]:
+    """The estimates over the pairs of several runs together: each run's pairs are already
+    paired within it (adjacent windows), so pooling them is only more pairs."""
+    loaded = [json.loads(path.read_text()) for path in reports]
+    return {key: estimate([v for report in loaded for v in report[key]["values"]]) for _, key in ESTIMATES}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -392,7 +413,16 @@ def main() -> int:
     add_quantization_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/web_overhead.json"))
     parser.add_argument("serve_args", nargs="*", help="after --: options for `yaie serve`")
+    parser.add_argument(
+        "--pool", type=Path, nargs="+", metavar="REPORT",
+        help="print the estimates over the pairs of these earlier runs' reports together, and exit",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.pool:
+        console, pooled = make_console(), pool(args.pool)
+        for name, key in ESTIMATES:
+            console.print(describe(name, pooled[key]))
+        return 0
     if args.pairs < 3:
         parser.error("--pairs: at least 3, for a confidence interval")
     console = make_console()
@@ -433,14 +463,7 @@ def main() -> int:
         f"medians: without pages {report['output_tok_s_without_pages']:.1f} tok/s, with "
         f"{args.pages}: {report['output_tok_s_with_pages']:.1f} tok/s"
     )
-    for name, key in (("slowdown (server's tokens)", "output_tok_s_slowdown"),
-                      ("slowdown (clients' chunks)", "client_chunks_s_slowdown"),
-                      ("server CPU per token, more", "server_cpu_per_token_increase"),
-                      ("CPU time decoding lost", "decode_cpu_loss"),
-                      ("  to the event loop", "loop_cpu_more"),
-                      ("  to the snapshots", "snapshot_cpu"),
-                      ("  to the load generator", "load_generator_cpu_more"),
-                      ("  left idle", "idle_cpu_more")):  # fmt: skip
+    for name, key in ESTIMATES:
         console.print(describe(name, estimates[key]))
     console.print(f"snapshot cost, median of the windows' medians: {report['snapshot_cost_ms_median']} ms")
     write_report(args.out, report, console)
