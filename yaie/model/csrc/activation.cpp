@@ -6,10 +6,11 @@
 // As PyTorch ops this is two dispatches, a temporary and two passes (at::silu, then mul_), which
 // at one decode row cost more than the work. It is not bit-identical to them: the exponential
 // here is the C library's (vectorized, where glibc's libmvec has it, under -ffast-math), not
-// PyTorch's, so the two differ by about an ulp. That is why only quantized MLPs use it: their results already differ
-// from the dense model's by the weights' rounding to 4-8 bits, and when decoding, their down
-// projection rounds this very output to 8 bits (quant_matmul.cpp); an ulp is far below both.
-// A dense model keeps PyTorch's silu, and with it its bit-exact agreement with transformers.
+// PyTorch's, so the two differ by about an ulp. That is why only quantized MLPs use it: their
+// results already differ from the dense model's by the weights' rounding to 4-8 bits, and when
+// decoding, their down projection rounds this very output to 8 bits (quant_matmul.cpp); an ulp
+// is far below both. A dense model keeps PyTorch's silu, and with it its bit-exact agreement
+// with transformers.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,7 +37,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       // The exponent is capped: with -ffast-math, dividing by an infinite 1 + exp(-gate) (a
       // gate below -88) gives NaN, not 0. Past the cap silu is below 1e-33 either way.
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) orow[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
+      for (int64_t i = 0; i < inter; ++i) {
+        orow[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
+      }
     }
   });
   return out;
