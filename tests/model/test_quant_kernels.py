@@ -30,6 +30,12 @@ FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_
 # M, N, K: odd M and N (padded row groups), every M regime of the int8 kernel (blocks of four
 # rows and the remainder); K a multiple of 256 so that the K-quants fit too.
 SHAPES = [(1, 1, 256), (1, 37, 512), (3, 13, 256), (4, 8, 256), (7, 33, 768), (13, 64, 256)]
+# The SIMD kernels take 32-value blocks in pairs: an odd number of blocks leaves one alone at the
+# end (only types with 32-value blocks can have one).
+ODD_BLOCK_SHAPES = [(1, 5, 32), (1, 9, 288), (5, 7, 96)]
+MATMUL_CASES = [(t, shape) for t in TYPES for shape in SHAPES] + [
+    (t, shape) for t in (T.Q8_0, T.Q4_0, T.Q4_1) for shape in ODD_BLOCK_SHAPES
+]
 
 
 def random_blocks(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
@@ -75,8 +81,9 @@ def isa(request, native_kernels, monkeypatch) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    ("ggml_type", "shape"), MATMUL_CASES, ids=[f"{t.name}-{'x'.join(map(str, s))}" for t, s in MATMUL_CASES]
+)
 def test_matmul_matches_reference_on_quantized_activations(ggml_type, shape, isa):
     m, n, k = shape
     raw = random_blocks(ggml_type, n, k, seed=m * n)
@@ -95,6 +102,23 @@ def test_matmul_matches_reference_on_quantized_activations(ggml_type, shape, isa
     block_w = w.abs().view(n, -1, quant.BLOCK).sum(-1)
     exact = x.double() @ w.T + bias.double()
     assert_within(y, exact, half_step @ block_w.T + 1e-5 * (x.double().abs() @ w.abs().T + bias.abs()))
+
+
+def test_activations_on_rounding_ties_round_as_the_reference_does(isa):
+    """Every value but each block's max sits on a tie, (k + 1/2) * scale, where an ulp in
+    1 / scale decides which way it rounds (-ffast-math once made the AVX2 path's 127 / amax)."""
+    m, k = 16, 1024
+    gen = torch.Generator().manual_seed(0)
+    amax = torch.rand(m, k // quant.BLOCK, 1, generator=gen) * 4 + 0.1
+    steps = torch.randint(-127, 126, (m, k // quant.BLOCK, quant.BLOCK), generator=gen)
+    x = (steps + 0.5) * (amax * torch.tensor(1 / 127, dtype=torch.float32))
+    x[..., :1] = amax
+    x = x.view(m, k)
+    raw = random_blocks(T.Q8_0, 4, k, seed=1)
+    layer = QuantizedLinear.from_gguf(raw, T.Q8_0, 4, k)
+    w = torch.from_numpy(dequantize(raw, T.Q8_0)).double()
+    xq = quantized_activations(x)
+    assert_within(layer(x), xq @ w.T, 1e-5 * (xq.abs() @ w.abs().T))
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)

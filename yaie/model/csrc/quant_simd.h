@@ -4,12 +4,13 @@
 //
 //   __m256i dot_u8_i8(__m256i u, __m256i s)  // 32 unsigned x 32 signed bytes -> 8 int32 lanes,
 //                                            // lane k the sum of products 4k .. 4k+3
+//   constexpr bool kSums16                   // sum 4-bit weights' products in int16 (below)
 //
-// which is maddubs + madd on AVX2 and one vpdpbusd with VNNI; everything else is AVX2.
+// dot_u8_i8 is maddubs + madd on AVX2 and one vpdpbusd with VNNI; everything else is AVX2.
 
 // The four rows' block dot products as 8 int32 lanes: lanes 0-3 the rows' values 0-15, lanes
-// 4-7 their values 16-31 (every step stays within its 128-bit half). With per-32 scales both
-// halves take the same scale; with per-16 scales (Q6_K) each its own, at no extra cost. The
+// 4-7 their values 16-31 (every step stays within its 128-bit half). With per-32 scales the two
+// halves are added before scaling (pair_dots); with per-16 scales (Q6_K) each takes its own. The
 // rows are summed with unpacks and adds rather than hadd, which costs more than the dot products
 // on some x86 cores (AMD's) and no less on the others.
 static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weights) {
@@ -26,6 +27,34 @@ static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weigh
   return _mm256_add_epi32(_mm256_unpacklo_epi64(d01, d23), _mm256_unpackhi_epi64(d01, d23));
 }
 
+// dot_4rows for 4-bit weights without VNNI, summed in int16 before a single widening madd:
+// maddubs' pair sums of q (0..15) times x (|x| <= 127) are at most 3,810, so the four added here
+// and the two halves pair_dots adds stay below 32,767, and the four-per-row madd of dot_u8_i8
+// becomes one per pair of blocks. Lanes: 16-bit pairs in dot_4rows' order.
+static inline __m256i sums16_4rows(const __m256i w[4], __m256i x) {
+  __m256i p[4];
+  for (int r = 0; r < 4; ++r) p[r] = _mm256_maddubs_epi16(w[r], x);
+  const __m256i p01 = _mm256_add_epi16(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+  const __m256i p23 = _mm256_add_epi16(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+  return _mm256_add_epi16(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
+}
+
+// Two consecutive blocks' dot products as 8 int32 lanes, the four rows' sums over block b and
+// then over block b + 1, each the sum of dot_4rows' two halves: the layout of the blocks' eight
+// scales in memory, so scaling a pair takes one load and one multiply.
+template <int kBits>
+static inline __m256i pair_dots(const __m256i w0[4], const __m256i w1[4], __m256i x0, __m256i x1) {
+  if constexpr (kBits == 4 && kSums16) {
+    const __m256i s0 = sums16_4rows(w0, x0), s1 = sums16_4rows(w1, x1);
+    const __m256i halves =
+        _mm256_add_epi16(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+    return _mm256_madd_epi16(halves, _mm256_set1_epi16(1));
+  } else {
+    const __m256i d0 = dot_4rows(w0, x0, kBits == 8), d1 = dot_4rows(w1, x1, kBits == 8);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(d0, d1, 0x20), _mm256_permute2x128_si256(d0, d1, 0x31));
+  }
+}
+
 // Four or eight scales (or mins) as floats, from float or float16 storage.
 static inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
 static inline __m128 load4(const uint16_t* p) {
@@ -36,50 +65,104 @@ static inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// One group of four weight rows against kRows activation rows starting at m: the weights are
-// unpacked once per block and used for every row, the register blocking of the many-row case.
-template <int kBits, int kWeightBlock, int kRows, typename Scale>
+// p[0] in lanes 0-3, p[1] in lanes 4-7: an activation row's values for a pair of blocks.
+static inline __m256 broadcast_pair(const float* p) {
+  return _mm256_set_m128(_mm_broadcast_ss(p + 1), _mm_broadcast_ss(p));
+}
+
+// One block of a group (64 or 128 bytes) as the four rows' 32 values, one register each.
+template <int kBits>
+static inline void unpack_block(const uint8_t* p, __m256i w[4]) {
+  if constexpr (kBits == 4) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i pair01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i pair23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    w[0] = _mm256_and_si256(pair01, nibble);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(pair01, 4), nibble);
+    w[2] = _mm256_and_si256(pair23, nibble);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(pair23, 4), nibble);
+  } else {
+    for (int r = 0; r < 4; ++r) w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * r));
+  }
+}
+
+static inline __m256i load_block(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// How far ahead 4-bit weights are prefetched, in blocks (2 KiB). At one activation row the 4-bit
+// kernel spends twice the instructions per weight byte the 8-bit one does, so fewer of its loads
+// are in flight at once, and it read memory well below the rate the 8-bit kernel reaches; the
+// hint closes part of that gap (benchmarks/quant_matmul.py). The 8-bit kernel was slower with it.
+// Past the group it reaches into the next one, which is what the thread reads next.
+constexpr int64_t kPrefetchBlocks = 32;
+
+// One group of four weight rows with a scale per 32 values (every type but Q6_K) against kRows
+// activation rows starting at m, two blocks at a time: the weights are unpacked once per block
+// and used for every row, the register blocking of the many-row case.
+template <int kBits, int kRows, typename Scale>
 static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
                               int64_t ldy) {
   constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
-  constexpr int64_t kScales = kWeightBlock == 32 ? 4 : 8;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
-  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * kScales;
+  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 4;
   const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
 
-  __m256 acc[kRows];
+  __m256 acc[kRows];  // lanes 0-3 the rows' sums over even blocks, 4-7 over odd ones
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= w.blocks; b += 2) {
+    if constexpr (kBits == 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(qw + (b + kPrefetchBlocks) * kBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qw + (b + 1 + kPrefetchBlocks) * kBytes), _MM_HINT_T0);
+    }
+    __m256i w0[4], w1[4];
+    unpack_block<kBits>(qw + b * kBytes, w0);
+    unpack_block<kBits>(qw + (b + 1) * kBytes, w1);
+    const __m256 scale = load8(scales + b * 4);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t xb = (m + r) * x.blocks + b;
+      const __m256i dots = pair_dots<kBits>(w0, w1, load_block(x.q + xb * kBlock), load_block(x.q + (xb + 1) * kBlock));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, broadcast_pair(x.d + xb)), acc[r]);
+      if constexpr (kBits == 4) acc[r] = _mm256_fmadd_ps(load8(mins + b * 4), broadcast_pair(x.s + xb), acc[r]);
+    }
+  }
+  if (b < w.blocks) {  // an odd number of blocks: the last one alone, in lanes 0-3
+    __m256i w0[4];
+    unpack_block<kBits>(qw + b * kBytes, w0);
+    const __m128 scale = load4(scales + b * 4);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t xb = (m + r) * x.blocks + b;
+      const __m256i d = dot_4rows(w0, load_block(x.q + xb * kBlock), kBits == 8);
+      const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+      __m128 sum = _mm_mul_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(scale, _mm_set1_ps(x.d[xb])));
+      if constexpr (kBits == 4) sum = _mm_fmadd_ps(load4(mins + b * 4), _mm_set1_ps(x.s[xb]), sum);
+      acc[r] = _mm256_add_ps(acc[r], _mm256_castps128_ps256(sum));
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    _mm_storeu_ps(y + (m + r) * ldy + g * 4, sum);
+  }
+}
+
+// group_rows for 8-bit weights with a scale per 16 values (Q6_K), a block at a time: each half
+// of dot_4rows' lanes takes its own scale.
+template <int kRows, typename Scale>
+static inline void group_rows_16(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
+                                 int64_t ldy) {
+  constexpr int64_t kBytes = 128;
+  const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
+  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 8;
+
+  __m256 acc[kRows];  // lanes 0-3 the rows' sums over values 0-15 of each block, 4-7 over 16-31
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m256i wq[4];
-    if constexpr (kBits == 4) {
-      const __m256i pair01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBytes));
-      const __m256i pair23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBytes + 32));
-      wq[0] = _mm256_and_si256(pair01, nibble);
-      wq[1] = _mm256_and_si256(_mm256_srli_epi16(pair01, 4), nibble);
-      wq[2] = _mm256_and_si256(pair23, nibble);
-      wq[3] = _mm256_and_si256(_mm256_srli_epi16(pair23, 4), nibble);
-    } else {
-      for (int r = 0; r < 4; ++r) {
-        wq[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBytes + 32 * r));
-      }
-    }
-    __m256 scale;
-    if constexpr (kWeightBlock == 32) {
-      const __m128 four = load4(scales + b * 4);
-      scale = _mm256_set_m128(four, four);
-    } else {
-      scale = load8(scales + b * 8);
-    }
-    // The min term is added once per row: in the low half only.
-    __m256 min = _mm256_setzero_ps();
-    if constexpr (kBits == 4) min = _mm256_insertf128_ps(min, load4(mins + b * 4), 0);
+    unpack_block<8>(qw + b * kBytes, wq);
+    const __m256 scale = load8(scales + b * 8);
     for (int r = 0; r < kRows; ++r) {
       const int64_t xb = (m + r) * x.blocks + b;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + xb * kBlock));
-      const __m256i dots = dot_4rows(wq, xq, kBits == 8);
+      const __m256i dots = dot_4rows(wq, load_block(x.q + xb * kBlock), true);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[xb])), acc[r]);
-      if constexpr (kBits == 4) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s[xb]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -93,8 +176,13 @@ static void groups_all_rows(const PackedWeights& w, const QuantizedRows& x, int6
                             int64_t ldy) {
   for (int64_t g = first; g < last; ++g) {
     int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kWeightBlock, 4, Scale>(w, x, g, m, y, ldy);
-    for (; m < x.rows; ++m) group_rows<kBits, kWeightBlock, 1, Scale>(w, x, g, m, y, ldy);
+    if constexpr (kWeightBlock == 32) {
+      for (; m + 4 <= x.rows; m += 4) group_rows<kBits, 4, Scale>(w, x, g, m, y, ldy);
+      for (; m < x.rows; ++m) group_rows<kBits, 1, Scale>(w, x, g, m, y, ldy);
+    } else {
+      for (; m + 4 <= x.rows; m += 4) group_rows_16<4, Scale>(w, x, g, m, y, ldy);
+      for (; m < x.rows; ++m) group_rows_16<1, Scale>(w, x, g, m, y, ldy);
+    }
   }
 }
 

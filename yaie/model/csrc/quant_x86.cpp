@@ -11,6 +11,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace yaie_quant::avx2 {
+// Without VNNI each block's dot products take maddubs + madd; 4-bit weights can skip most madds.
+constexpr bool kSums16 = true;
 static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   // |u| <= 15 or <= 128 and |s| <= 127 keep maddubs' int16 pair sums from saturating.
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -23,7 +25,11 @@ namespace yaie_quant {
 // quantize_row_scalar's arithmetic, eight lanes at a time (the VNNI paths use it too: quantizing
 // is a small part of a matmul and has no dot products to speed up). Rounding is the SSE4.1
 // round-to-nearest-even, as nearbyint in the default rounding mode; the max ignores NaNs as
-// std::max(amax, |x|) does.
+// std::max(amax, |x|) does. fast-math is off here as it is for quantize_row_scalar: it rewrote
+// 1 / (amax / 127) as 127 / amax, an ulp off, and a value on a rounding tie came out one step
+// away from the scalar path's (a test's GPTQ model found one).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
 void quantize_row_avx2(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
@@ -57,6 +63,7 @@ void quantize_row_avx2(const float* x, int64_t blocks, int8_t* q, float* d, floa
     s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(t4));
   }
 }
+#pragma GCC pop_options
 
 }  // namespace yaie_quant
 #pragma GCC pop_options
@@ -64,6 +71,7 @@ void quantize_row_avx2(const float* x, int64_t blocks, int8_t* q, float* d, floa
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace yaie_quant::avxvnni {
+constexpr bool kSums16 = false;  // vpdpbusd already sums in one instruction
 static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 }
@@ -74,6 +82,7 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 namespace yaie_quant::avx512vnni {
+constexpr bool kSums16 = false;
 // The 256-bit form: the kernel is bound by loading weights, not by the width of the dot products.
 static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
