@@ -1,13 +1,13 @@
-"""A decoding step through the decoder layers, one native call per layer (csrc/decode_layer.cpp).
+"""A decoding step through all the decoder layers in one native call (csrc/decode_layer.cpp).
 
 A one-token step makes ~20 Python-level ops per layer between and around its matmuls (norms,
 views, rope, the cache write, attention, the activation). With weights kept in 4 or 8 bits they
 cost as much as the matmuls; with fp32 weights, a third as much. The native op runs the same
 kernels in the same order without them, so it changes the speed of a step, never its result.
-The layers' calls are made from one loop here, not from each layer's module: going through
-every DecoderLayer's forward (the module call, the checks below, its arguments gathered anew)
-cost one client's decoding a few per cent of its speed with the bundled Q4_1 model (README,
-"Where one client's time goes").
+The layers' weights go to the native side once, in a DecodeStack; a step passes only what
+changes (the activations, the rope rows, the attention metadata and the KV caches). A call per
+layer cost more in converting its twenty arguments than most of its kernels took: with the
+bundled Q4_1 model, about a tenth of one client's step.
 
 It applies when every layer is without q/k norms and has its four projections all
 QuantizedLinear (float32 activations) or all oneDNN-packed Linear, to a step in which every token
@@ -17,8 +17,9 @@ the quantized matmul's DEQUANTIZED_FROM_ROWS; any other step runs the layers' Py
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,23 +63,11 @@ def _layer_covered(layer: DecoderLayer) -> bool:
     )
 
 
-class _Layer:
-    """What the native op takes from one DecoderLayer, gathered once."""
-
-    def __init__(self, layer: DecoderLayer) -> None:
-        self.attn = layer.self_attn  # its k_cache / v_cache are assigned after the KV pool exists
-        self.input_norm = layer.input_layernorm.weight
-        self.post_attention_norm = layer.post_attention_layernorm.weight
-        self.eps = layer.input_layernorm.eps
-        self.qkv, self.o, self.gate_up, self.down = (_projection(p) for p in _projections(layer))
-        self.intermediate_size = layer.mlp.intermediate_size
-
-
 class FusedDecode:
     """The decode path of a model's stack of DecoderLayers; `for_layers` says whether it has one."""
 
     def __init__(self, layers: Sequence[DecoderLayer]) -> None:
-        self.layers = [_Layer(layer) for layer in layers]
+        self.layers = list(layers)
 
     @classmethod
     def for_layers(cls, layers: Sequence[DecoderLayer]) -> FusedDecode | None:
@@ -94,6 +83,18 @@ class FusedDecode:
             and kernels.available(x.device)
         )
 
+    @functools.cached_property
+    def _stack(self) -> Any:  # torch.classes.yaie.DecodeStack, made on the first native step
+        stack = torch.classes.yaie.DecodeStack()
+        for layer in self.layers:
+            attn, norm = layer.self_attn, layer.input_layernorm
+            qkv, o, gate_up, down = (_projection(p) for p in _projections(layer))
+            stack.add_layer(
+                norm.weight, layer.post_attention_layernorm.weight, norm.eps, qkv, o, gate_up, down,
+                attn.num_heads, attn.num_kv_heads, layer.mlp.intermediate_size,
+            )  # fmt: skip
+        return stack
+
     def __call__(
         self,
         x: torch.Tensor,
@@ -101,18 +102,15 @@ class FusedDecode:
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers' loop over DecoderLayer.forward, whose contract each call keeps: x is the
+        """The layers' loop over DecoderLayer.forward, whose contract each layer keeps: x is the
         previous layer's MLP output, which the op adds to `residual` in place. Returns the last
         layer's (MLP output, residual)."""
         cos, sin = rope
-        isa = quant.ISAS.index(quant.isa())
-        slots, tables, context_lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
-        for layer in self.layers:
-            attn = layer.attn
-            x = torch.ops.yaie.decode_layer(
-                x, residual, cos, sin, layer.input_norm, layer.post_attention_norm, layer.eps,
-                layer.qkv, layer.o, layer.gate_up, layer.down, attn.k_cache, attn.v_cache,
-                slots, tables, context_lens,
-                attn.num_heads, attn.num_kv_heads, layer.intermediate_size, isa,
-            )  # fmt: skip
+        # The caches are read at each step: the engine assigns them after the model is built.
+        attns = [layer.self_attn for layer in self.layers]
+        x = torch.ops.yaie.decode_layers(
+            x, residual, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+            [attn.k_cache for attn in attns], [attn.v_cache for attn in attns],
+            self._stack, quant.ISAS.index(quant.isa()),
+        )  # fmt: skip
         return x, residual

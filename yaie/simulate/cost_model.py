@@ -6,8 +6,8 @@
 
 `fixed` is what every step pays whatever its size (on a GPU: reading the weights once; on a
 CPU: Python and kernel launches). `prefill_step` is what a step pays on top once it carries any
-prompt (or recomputed) tokens: on this engine's CPU path a step of decodes only runs each layer
-in one native call (yaie/model/fused_decode.py), while a step with a prompt chunk runs the
+prompt (or recomputed) tokens: on this engine's CPU path a step of decodes only runs all the
+layers in one native call (yaie/model/fused_decode.py), while a step with a prompt chunk runs the
 layers' Python forward. `per_prefill_token` and `per_decode_token` are the matmuls a token goes
 through; they differ because a prompt's rows are multiplied many at a time (quantized weights:
 through dequantized tiles) and a decode's one row per sequence. `per_kv_token` is attention

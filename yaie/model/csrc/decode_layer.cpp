@@ -1,6 +1,6 @@
-// A whole decoder layer for a decoding step, in one call: what DecoderLayer.forward does
-// (yaie/model/llama.py) when every token of the step is a sequence's next token and the four
-// projections hold quantized weights or oneDNN-packed dense ones.
+// The decoder layers for a decoding step, in one call: what DecoderLayer.forward does
+// (yaie/model/llama.py), layer after layer, when every token of the step is a sequence's next
+// token and the four projections hold quantized weights or oneDNN-packed dense ones. Per layer:
 //
 //   h        = add_rms_norm(x, residual, input_norm)         residual += x, in place
 //   q, k, v  = split(h @ qkv_proj^T)                         [rows, heads | kv_heads | kv_heads, dim]
@@ -9,18 +9,22 @@
 //   o        = paged_decode_attention(q, caches)             [rows, heads, dim]
 //   h        = add_rms_norm(o @ o_proj^T, residual, post_attention_norm)
 //   gate, up = split(h @ gate_up_proj^T)
-//   return     (silu(gate) * up) @ down_proj^T                  one native pass if down_proj is quantized
+//   x        = (silu(gate) * up) @ down_proj^T                one native pass if down_proj is quantized
 //
 // The steps are the same kernels the Python path calls, in the same order, so the result is the
 // same to the bit. What goes is the Python between them: a one-token step makes ~20 Python-level
 // ops per layer, and with weights four to eight times smaller than fp32 they cost as much as its
-// matmuls (with fp32 weights, a third as much).
+// matmuls (with fp32 weights, a third as much). The layers' weights are handed over once, in a
+// DecodeStack, because so is the cost of passing them: a call with a layer's twenty arguments
+// took longer to convert them than most of its kernels took to run.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
 #include "quant_matmul.h"
 
@@ -99,16 +103,62 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
   return project(act, down_proj, hidden, isa);
 }
 
+// One layer's weights, as decode_layer takes them.
+struct LayerWeights {
+  at::Tensor input_norm, post_attention_norm;
+  double eps;
+  c10::List<std::optional<at::Tensor>> qkv, o, gate_up, down;
+  int64_t num_heads, num_kv_heads, intermediate_size;
+};
+
+// A model's decoder layers, in order, built once (yaie/model/fused_decode.py). Holding the
+// tensors keeps them alive; the KV caches are not held: a step passes them.
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<LayerWeights> layers;
+
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm, double eps,
+                 c10::List<std::optional<at::Tensor>> qkv, c10::List<std::optional<at::Tensor>> o,
+                 c10::List<std::optional<at::Tensor>> gate_up, c10::List<std::optional<at::Tensor>> down,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size) {
+    layers.push_back({input_norm, post_attention_norm, eps, std::move(qkv), std::move(o), std::move(gate_up),
+                      std::move(down), num_heads, num_kv_heads, intermediate_size});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+};
+
+// Every layer of `stack` over x: returns the last layer's MLP output; residual is updated in
+// place, and each layer's K/V (k_caches[i], v_caches[i]) at the rows' slots.
+at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
+                         const c10::intrusive_ptr<DecodeStack>& stack, int64_t isa) {
+  const auto& layers = stack->layers;
+  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+              "one K and one V cache per layer: ", layers.size(), " layers, ", k_caches.size(), " and ",
+              v_caches.size(), " caches");
+  at::Tensor h = x;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerWeights& l = layers[i];
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    h = decode_layer(h, residual, cos, sin, l.input_norm, l.post_attention_norm, l.eps, l.qkv, l.o, l.gate_up,
+                     l.down, k_cache, v_cache, slot_mapping, block_tables, context_lens, l.num_heads,
+                     l.num_kv_heads, l.intermediate_size, isa);
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(yaie, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers);
   m.def(
-      "decode_layer(Tensor x, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor input_norm, "
-      "Tensor post_attention_norm, float eps, Tensor?[] qkv_proj, Tensor?[] o_proj, Tensor?[] gate_up_proj, "
-      "Tensor?[] down_proj, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor context_lens, int num_heads, int num_kv_heads, int intermediate_size, int isa) -> Tensor");
+      "decode_layers(Tensor x, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
+      "__torch__.torch.classes.yaie.DecodeStack stack, int isa) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(yaie, CPU, m) { m.impl("decode_layer", &decode_layer); }
-// oneDNN-packed weights are tensors of the MkldnnCPU backend, which the dispatcher picks first.
-TORCH_LIBRARY_IMPL(yaie, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(yaie, CPU, m) { m.impl("decode_layers", &decode_layers); }
