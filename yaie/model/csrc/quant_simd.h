@@ -9,10 +9,10 @@
 // dot_u8_i8 is maddubs + madd on AVX2 and one vpdpbusd with VNNI; everything else is AVX2.
 
 // The four rows' block dot products as 8 int32 lanes: lanes 0-3 the rows' values 0-15, lanes
-// 4-7 their values 16-31 (every step stays within its 128-bit half). With per-32 scales the two
-// halves are added before scaling (pair_dots); with per-16 scales (Q6_K) each takes its own. The
-// rows are summed with unpacks and adds rather than hadd, which costs more than the dot products
-// on some x86 cores (AMD's) and no less on the others.
+// 4-7 their values 16-31 (every step stays within its 128-bit half). With per-32 scales both
+// halves take the same scale (or are added first: pair_dots); with per-16 scales (Q6_K) each its
+// own. The rows are summed with unpacks and adds rather than hadd, which costs more than the dot
+// products on some x86 cores (AMD's) and no less on the others.
 static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weights) {
   __m256i d[4];
   for (int r = 0; r < 4; ++r) {
@@ -95,19 +95,64 @@ static inline __m256i load_block(const int8_t* p) { return _mm256_loadu_si256(re
 // Past the group it reaches into the next one, which is what the thread reads next.
 constexpr int64_t kPrefetchBlocks = 32;
 
-// One group of four weight rows with a scale per 32 values (every type but Q6_K) against kRows
-// activation rows starting at m, two blocks at a time: the weights are unpacked once per block
-// and used for every row, the register blocking of the many-row case.
-template <int kBits, int kRows, typename Scale>
+// One group of four weight rows against kRows activation rows starting at m, a block at a time:
+// the weights are unpacked once per block and used for every row, the register blocking of the
+// many-row case. Also the one-row case of 8-bit weights with a scale per 16 values (Q6_K), whose
+// halves take their own scales.
+template <int kBits, int kWeightBlock, int kRows, typename Scale>
 static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
                               int64_t ldy) {
+  constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
+  constexpr int64_t kScales = kWeightBlock == 32 ? 4 : 8;
+  const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
+  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * kScales;
+  const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
+
+  __m256 acc[kRows];  // lanes 0-3 the rows' sums over values 0-15 of each block, 4-7 over 16-31
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    if constexpr (kBits == 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(qw + (b + kPrefetchBlocks) * kBytes), _MM_HINT_T0);
+    }
+    __m256i wq[4];
+    unpack_block<kBits>(qw + b * kBytes, wq);
+    __m256 scale;
+    if constexpr (kWeightBlock == 32) {
+      const __m128 four = load4(scales + b * 4);
+      scale = _mm256_set_m128(four, four);
+    } else {
+      scale = load8(scales + b * 8);
+    }
+    // The min term is added once per row: in the low half only.
+    __m256 min = _mm256_setzero_ps();
+    if constexpr (kBits == 4) min = _mm256_insertf128_ps(min, load4(mins + b * 4), 0);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t xb = (m + r) * x.blocks + b;
+      const __m256i dots = dot_4rows(wq, load_block(x.q + xb * kBlock), kBits == 8);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[xb])), acc[r]);
+      if constexpr (kBits == 4) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s[xb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    _mm_storeu_ps(y + (m + r) * ldy + g * 4, sum);
+  }
+}
+
+// group_rows for one activation row and weights with a scale per 32 values (every type but
+// Q6_K), two blocks at a time: a pair's eight dot products take one scale load and multiply
+// (pair_dots), where a block at a time spends as much on its four scales as on its products.
+// With several rows the scales are shared by all of them, and two blocks' unpacked weights
+// would not leave registers for four rows: group_rows keeps that case.
+template <int kBits, typename Scale>
+static inline void group_row_pairs(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y) {
   constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
   const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 4;
   const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
+  const int64_t row = m * x.blocks;
 
-  __m256 acc[kRows];  // lanes 0-3 the rows' sums over even blocks, 4-7 over odd ones
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();  // lanes 0-3 the rows' sums over even blocks, 4-7 over odd ones
   int64_t b = 0;
   for (; b + 2 <= w.blocks; b += 2) {
     if constexpr (kBits == 4) {
@@ -117,58 +162,22 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
     __m256i w0[4], w1[4];
     unpack_block<kBits>(qw + b * kBytes, w0);
     unpack_block<kBits>(qw + (b + 1) * kBytes, w1);
-    const __m256 scale = load8(scales + b * 4);
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t xb = (m + r) * x.blocks + b;
-      const __m256i dots = pair_dots<kBits>(w0, w1, load_block(x.q + xb * kBlock), load_block(x.q + (xb + 1) * kBlock));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, broadcast_pair(x.d + xb)), acc[r]);
-      if constexpr (kBits == 4) acc[r] = _mm256_fmadd_ps(load8(mins + b * 4), broadcast_pair(x.s + xb), acc[r]);
-    }
+    const int64_t xb = row + b;
+    const __m256i dots = pair_dots<kBits>(w0, w1, load_block(x.q + xb * kBlock), load_block(x.q + (xb + 1) * kBlock));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(load8(scales + b * 4), broadcast_pair(x.d + xb)), acc);
+    if constexpr (kBits == 4) acc = _mm256_fmadd_ps(load8(mins + b * 4), broadcast_pair(x.s + xb), acc);
   }
-  if (b < w.blocks) {  // an odd number of blocks: the last one alone, in lanes 0-3
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  if (b < w.blocks) {  // an odd number of blocks: the last one alone
     __m256i w0[4];
     unpack_block<kBits>(qw + b * kBytes, w0);
-    const __m128 scale = load4(scales + b * 4);
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t xb = (m + r) * x.blocks + b;
-      const __m256i d = dot_4rows(w0, load_block(x.q + xb * kBlock), kBits == 8);
-      const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
-      __m128 sum = _mm_mul_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(scale, _mm_set1_ps(x.d[xb])));
-      if constexpr (kBits == 4) sum = _mm_fmadd_ps(load4(mins + b * 4), _mm_set1_ps(x.s[xb]), sum);
-      acc[r] = _mm256_add_ps(acc[r], _mm256_castps128_ps256(sum));
-    }
+    const int64_t xb = row + b;
+    const __m256i d = dot_4rows(w0, load_block(x.q + xb * kBlock), kBits == 8);
+    const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+    sum = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(load4(scales + b * 4), _mm_set1_ps(x.d[xb])), sum);
+    if constexpr (kBits == 4) sum = _mm_fmadd_ps(load4(mins + b * 4), _mm_set1_ps(x.s[xb]), sum);
   }
-  for (int r = 0; r < kRows; ++r) {
-    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    _mm_storeu_ps(y + (m + r) * ldy + g * 4, sum);
-  }
-}
-
-// group_rows for 8-bit weights with a scale per 16 values (Q6_K), a block at a time: each half
-// of dot_4rows' lanes takes its own scale.
-template <int kRows, typename Scale>
-static inline void group_rows_16(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
-                                 int64_t ldy) {
-  constexpr int64_t kBytes = 128;
-  const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
-  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 8;
-
-  __m256 acc[kRows];  // lanes 0-3 the rows' sums over values 0-15 of each block, 4-7 over 16-31
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    __m256i wq[4];
-    unpack_block<8>(qw + b * kBytes, wq);
-    const __m256 scale = load8(scales + b * 8);
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t xb = (m + r) * x.blocks + b;
-      const __m256i dots = dot_4rows(wq, load_block(x.q + xb * kBlock), true);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[xb])), acc[r]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    _mm_storeu_ps(y + (m + r) * ldy + g * 4, sum);
-  }
+  _mm_storeu_ps(y + g * 4, sum);
 }
 
 template <int kBits, int kWeightBlock, typename Scale>
@@ -176,12 +185,13 @@ static void groups_all_rows(const PackedWeights& w, const QuantizedRows& x, int6
                             int64_t ldy) {
   for (int64_t g = first; g < last; ++g) {
     int64_t m = 0;
-    if constexpr (kWeightBlock == 32) {
-      for (; m + 4 <= x.rows; m += 4) group_rows<kBits, 4, Scale>(w, x, g, m, y, ldy);
-      for (; m < x.rows; ++m) group_rows<kBits, 1, Scale>(w, x, g, m, y, ldy);
-    } else {
-      for (; m + 4 <= x.rows; m += 4) group_rows_16<4, Scale>(w, x, g, m, y, ldy);
-      for (; m < x.rows; ++m) group_rows_16<1, Scale>(w, x, g, m, y, ldy);
+    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kWeightBlock, 4, Scale>(w, x, g, m, y, ldy);
+    for (; m < x.rows; ++m) {
+      if constexpr (kWeightBlock == 32) {
+        group_row_pairs<kBits, Scale>(w, x, g, m, y + m * ldy);
+      } else {
+        group_rows<kBits, kWeightBlock, 1, Scale>(w, x, g, m, y, ldy);
+      }
     }
   }
 }
