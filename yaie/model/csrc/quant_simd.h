@@ -88,11 +88,12 @@ static inline void unpack_block(const uint8_t* p, __m256i w[4]) {
 
 static inline __m256i load_block(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// How far ahead 4-bit weights are prefetched, in blocks (2 KiB). At one activation row the 4-bit
-// kernel spends twice the instructions per weight byte the 8-bit one does, so fewer of its loads
-// are in flight at once, and it read memory well below the rate the 8-bit kernel reaches; the
-// hint closes part of that gap (benchmarks/quant_matmul.py). The 8-bit kernel was slower with it.
-// Past the group it reaches into the next one, which is what the thread reads next.
+// How far ahead 4-bit weights are prefetched at one activation row, in blocks (2 KiB). There the
+// 4-bit kernel spends twice the instructions per weight byte the 8-bit one does, so fewer of its
+// loads are in flight at once, and it read memory well below the rate the 8-bit one reaches; the
+// hint closes part of that gap (a model's matmuls in turn, from memory: ~1.1x). The 8-bit kernel
+// was slower with it, and the many-row one, with four rows' work per byte, no faster. Past the
+// group it reaches into the next one, which is what the thread reads next.
 constexpr int64_t kPrefetchBlocks = 32;
 
 // One group of four weight rows against kRows activation rows starting at m, a block at a time:
@@ -111,9 +112,6 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
   __m256 acc[kRows];  // lanes 0-3 the rows' sums over values 0-15 of each block, 4-7 over 16-31
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
-    if constexpr (kBits == 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(qw + (b + kPrefetchBlocks) * kBytes), _MM_HINT_T0);
-    }
     __m256i wq[4];
     unpack_block<kBits>(qw + b * kBytes, wq);
     __m256 scale;
