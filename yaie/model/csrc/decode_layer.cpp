@@ -15,8 +15,8 @@
 // same to the bit. What goes is the Python between them: a one-token step makes ~20 Python-level
 // ops per layer, and with weights four to eight times smaller than fp32 they cost as much as its
 // matmuls (with fp32 weights, a third as much). The layers' weights are handed over once, in a
-// DecodeStack, because so is the cost of passing them: a call with a layer's twenty arguments
-// took longer to convert them than most of its kernels took to run.
+// DecodeStack: converting a layer's twenty arguments at every call took longer than most of its
+// kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -123,8 +123,6 @@ struct DecodeStack : torch::CustomClassHolder {
     layers.push_back({input_norm, post_attention_norm, eps, std::move(qkv), std::move(o), std::move(gate_up),
                       std::move(down), num_heads, num_kv_heads, intermediate_size});
   }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 };
 
 // Every layer of `stack` over x: returns the last layer's MLP output; residual is updated in
@@ -153,8 +151,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, const at::Te
 TORCH_LIBRARY_FRAGMENT(yaie, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("num_layers", &DecodeStack::num_layers);
+      .def("add_layer", &DecodeStack::add_layer);
   m.def(
       "decode_layers(Tensor x, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor slot_mapping, "
       "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
