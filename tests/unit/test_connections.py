@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import threading
@@ -20,6 +21,8 @@ REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
 
 async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
     assert scope["type"] == "http"
+    if scope["path"] == "/slow":  # a response that takes longer than the head deadline
+        await asyncio.sleep(HEAD_TIMEOUT * 1.5)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
@@ -80,3 +83,15 @@ def test_requests_on_a_kept_alive_connection_each_get_the_deadline(port: int) ->
             time.sleep(HEAD_TIMEOUT / 4)  # idle between requests, within the deadline
         # Then nothing: the connection is closed once the deadline passes.
         assert closed_by_server(sock, 20)
+
+
+def test_a_pipelined_request_is_not_cut_off_while_it_is_answered(port: int) -> None:
+    """Its head arrived with the first request's, so the deadline has nothing to wait for."""
+    slow = b"GET /slow HTTP/1.1\r\nHost: test\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(slow + slow)
+        received = b""
+        while received.count(b"HTTP/1.1 200") < 2:
+            chunk = sock.recv(4096)
+            assert chunk, f"the connection was closed after {received.count(b'HTTP/1.1 200')} response(s)"
+            received += chunk

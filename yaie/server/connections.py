@@ -34,9 +34,10 @@ class _HeadDeadlineProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
+        # A pipelined request waiting its turn has delivered its head already, and starts now.
+        pipelined = bool(self.pipeline)
         super().on_response_complete()
-        # A pipelined request waiting its turn has delivered its head already.
-        if not self.transport.is_closing() and not self.pipeline:
+        if not self.transport.is_closing() and not pipelined:
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
