@@ -155,9 +155,7 @@ def prompt_ids(tokenizer) -> list[int]:
 def our_logits(path: Path) -> tuple[torch.Tensor, list[int]]:
     loaded = load_model(str(path), torch.float32, CPU)
     m, cfg = loaded.model, loaded.config
-    for layer in m.layers:
-        layer.self_attn.k_cache = torch.zeros(8, 16, cfg.num_kv_heads, cfg.head_dim)
-        layer.self_attn.v_cache = torch.zeros(8, 16, cfg.num_kv_heads, cfg.head_dim)
+    m.bind_kv_cache(torch.zeros(cfg.num_layers, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim))
     ids = prompt_ids(loaded.tokenizer)
     T = len(ids)
     meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillSeq(0, T)])

@@ -109,9 +109,7 @@ def dense_weights(path: Path) -> CausalLM:
 
 def logits(loaded: LoadedModel) -> torch.Tensor:
     m, cfg = loaded.model, loaded.config
-    for layer in m.layers:
-        layer.self_attn.k_cache = torch.zeros(8, 16, cfg.num_kv_heads, cfg.head_dim)
-        layer.self_attn.v_cache = torch.zeros(8, 16, cfg.num_kv_heads, cfg.head_dim)
+    m.bind_kv_cache(torch.zeros(cfg.num_layers, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim))
     ids = loaded.tokenizer(PROMPT)["input_ids"]
     n = len(ids)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n)])

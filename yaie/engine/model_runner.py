@@ -44,8 +44,7 @@ class ModelRunner:
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=kv_dtype, device=self.device,
         )  # fmt: skip
-        for layer, kv in zip(model.layers, self.kv_cache, strict=True):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
+        model.bind_kv_cache(self.kv_cache)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:

@@ -4,10 +4,11 @@ A one-token step makes ~20 Python-level ops per layer between and around its mat
 views, rope, the cache write, attention, the activation). With weights kept in 4 or 8 bits they
 cost as much as the matmuls; with fp32 weights, a third as much. The native op runs the same
 kernels in the same order without them, so it changes the speed of a step, never its result.
-The layers' weights go to the native side once, in a DecodeStack; a step passes only what
-changes (the activations, the rope rows, the attention metadata and the KV caches). A call per
-layer cost more in converting its twenty arguments than most of its kernels took: with the
-bundled Q4_1 model, about a tenth of one client's step.
+The layers' weights and KV caches go to the native side once, in a DecodeStack; a step passes
+only what changes (the activations, the rope rows, the attention metadata). A call per layer
+cost more in converting its twenty arguments than most of its kernels took: with the bundled
+Q4_1 model, about a tenth of one client's step. A FusedDecode is made for one KV cache
+(CausalLM.bind_kv_cache makes a new one for another).
 
 It applies when every layer is without q/k norms and has its four projections all
 QuantizedLinear (float32 activations) or all oneDNN-packed Linear, to a step in which every token
@@ -91,7 +92,7 @@ class FusedDecode:
             qkv, o, gate_up, down = (_projection(p) for p in _projections(layer))
             stack.add_layer(
                 norm.weight, layer.post_attention_layernorm.weight, norm.eps, qkv, o, gate_up, down,
-                attn.num_heads, attn.num_kv_heads, layer.mlp.intermediate_size,
+                attn.k_cache, attn.v_cache, attn.num_heads, attn.num_kv_heads, layer.mlp.intermediate_size,
             )  # fmt: skip
         return stack
 
@@ -106,11 +107,8 @@ class FusedDecode:
         previous layer's MLP output, which the op adds to `residual` in place. Returns the last
         layer's (MLP output, residual)."""
         cos, sin = rope
-        # The caches are read at each step: the engine assigns them after the model is built.
-        attns = [layer.self_attn for layer in self.layers]
         x = torch.ops.yaie.decode_layers(
             x, residual, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-            [attn.k_cache for attn in attns], [attn.v_cache for attn in attns],
             self._stack, quant.ISAS.index(quant.isa()),
         )  # fmt: skip
         return x, residual

@@ -29,7 +29,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # Views into the runner's KV tensor, assigned after the cache is allocated.
+        # Views into the runner's KV tensor, assigned by CausalLM.bind_kv_cache.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -85,7 +85,8 @@ class CausalLM(nn.Module):
         # With tied embeddings the loader fills this with a copy of the embedding table (or, if
         # the table is quantized, makes it the one table both use).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        # Set by pack() where the native decode calls cover every layer (yaie/model/fused_decode.py).
+        # Set by pack() where the native decode call covers every layer (yaie/model/fused_decode.py),
+        # made anew by bind_kv_cache.
         self.fused_decode: FusedDecode | None = None
 
     def forward(
@@ -108,6 +109,14 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Give each layer its part of the KV cache, [layers, K/V, blocks, block_size, kv_heads,
+        head_dim]; the native decode path takes the caches with the weights, so it is made anew."""
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0], kv[1]
+        if self.fused_decode is not None:
+            self.fused_decode = FusedDecode(list(self.layers))
 
     def pack(self) -> None:
         """Switch every projection to its fast inference layout; call once, after loading. Also

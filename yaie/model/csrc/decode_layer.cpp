@@ -14,9 +14,9 @@
 // The steps are the same kernels the Python path calls, in the same order, so the result is the
 // same to the bit. What goes is the Python between them: a one-token step makes ~20 Python-level
 // ops per layer, and with weights four to eight times smaller than fp32 they cost as much as its
-// matmuls (with fp32 weights, a third as much). The layers' weights are handed over once, in a
-// DecodeStack: converting a layer's twenty arguments at every call took longer than most of its
-// kernels.
+// matmuls (with fp32 weights, a third as much). The layers' weights and KV caches are handed over
+// once, in a DecodeStack: converting a layer's twenty arguments at every call took longer than
+// most of its kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -103,44 +103,40 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
   return project(act, down_proj, hidden, isa);
 }
 
-// One layer's weights, as decode_layer takes them.
-struct LayerWeights {
+// One layer as decode_layer takes it: its weights and its KV caches.
+struct Layer {
   at::Tensor input_norm, post_attention_norm;
   double eps;
   c10::List<std::optional<at::Tensor>> qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;
   int64_t num_heads, num_kv_heads, intermediate_size;
 };
 
-// A model's decoder layers, in order, built once (yaie/model/fused_decode.py). Holding the
-// tensors keeps them alive; the KV caches are not held: a step passes them.
+// A model's decoder layers, in order, built once for a KV cache (yaie/model/fused_decode.py).
+// Holding the tensors keeps them alive; the caches are written in place at every step, which
+// the op's schema cannot say of tensors it does not take as arguments.
 struct DecodeStack : torch::CustomClassHolder {
-  std::vector<LayerWeights> layers;
+  std::vector<Layer> layers;
 
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm, double eps,
                  c10::List<std::optional<at::Tensor>> qkv, c10::List<std::optional<at::Tensor>> o,
                  c10::List<std::optional<at::Tensor>> gate_up, c10::List<std::optional<at::Tensor>> down,
-                 int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size) {
+                 const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t intermediate_size) {
     layers.push_back({input_norm, post_attention_norm, eps, std::move(qkv), std::move(o), std::move(gate_up),
-                      std::move(down), num_heads, num_kv_heads, intermediate_size});
+                      std::move(down), k_cache, v_cache, num_heads, num_kv_heads, intermediate_size});
   }
 };
 
 // Every layer of `stack` over x: returns the last layer's MLP output; residual is updated in
-// place, and each layer's K/V (k_caches[i], v_caches[i]) at the rows' slots.
+// place, and each layer's K/V cache at the rows' slots.
 at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
-                         const c10::intrusive_ptr<DecodeStack>& stack, int64_t isa) {
-  const auto& layers = stack->layers;
-  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
-              "one K and one V cache per layer: ", layers.size(), " layers, ", k_caches.size(), " and ",
-              v_caches.size(), " caches");
+                         const at::Tensor& context_lens, const c10::intrusive_ptr<DecodeStack>& stack, int64_t isa) {
   at::Tensor h = x;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const LayerWeights& l = layers[i];
-    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+  for (Layer& l : stack->layers) {
     h = decode_layer(h, residual, cos, sin, l.input_norm, l.post_attention_norm, l.eps, l.qkv, l.o, l.gate_up,
-                     l.down, k_cache, v_cache, slot_mapping, block_tables, context_lens, l.num_heads,
+                     l.down, l.k_cache, l.v_cache, slot_mapping, block_tables, context_lens, l.num_heads,
                      l.num_kv_heads, l.intermediate_size, isa);
   }
   return h;
@@ -154,8 +150,7 @@ TORCH_LIBRARY_FRAGMENT(yaie, m) {
       .def("add_layer", &DecodeStack::add_layer);
   m.def(
       "decode_layers(Tensor x, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
-      "__torch__.torch.classes.yaie.DecodeStack stack, int isa) -> Tensor");
+      "Tensor block_tables, Tensor context_lens, __torch__.torch.classes.yaie.DecodeStack stack, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(yaie, CPU, m) { m.impl("decode_layers", &decode_layers); }
