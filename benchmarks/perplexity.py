@@ -77,7 +77,7 @@ VARIANTS = (
 def matmul_path(name: str) -> Iterator[None]:
     """Quantized layers multiply through `name`'s kernel ("int8" or "tiles") at every row count."""
     saved = quant.DEQUANTIZED_FROM_ROWS
-    quant.DEQUANTIZED_FROM_ROWS = sys.maxsize if name == "int8" else 1
+    quant.DEQUANTIZED_FROM_ROWS = dict.fromkeys(saved, sys.maxsize if name == "int8" else 1)
     try:
         yield
     finally:

@@ -208,12 +208,14 @@ def test_runs_as_int4(tmp_path, case, native_kernels, monkeypatch):
     assert_logits_within_bound(checked_logits(ours, monkeypatch), logits(load(tmp_path / "dense", "none")))
 
 
-def test_act_order_feeds_the_dequantizing_path_the_permuted_features(tmp_path, native_kernels):
-    """Prompts of DEQUANTIZED_FROM_ROWS tokens or more take the other kernel: permuted alike."""
+def test_act_order_feeds_the_dequantizing_path_the_permuted_features(tmp_path, native_kernels, monkeypatch):
+    """Prompts of DEQUANTIZED_FROM_ROWS tokens or more take the other kernel: permuted alike.
+    (The ISA path in use may never take it: here it does from 64 rows.)"""
+    monkeypatch.setitem(quant.DEQUANTIZED_FROM_ROWS, quant.isa(), 64)
     layers = write_int4_checkpoint(tmp_path, "llama", Format("gptq", 32, desc_act=True))
     layer = load(tmp_path / "int4", "auto").model.layers[0].mlp.down_proj
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(quant.DEQUANTIZED_FROM_ROWS, layer.in_features, generator=gen)
+    x = torch.randn(64, layer.in_features, generator=gen)
     expected = x.double() @ layers["model.layers.0.mlp.down_proj"].dequantized().double().T
     # Float32 sums of in_features terms: 1e-5 of the terms' magnitudes (test_quant_kernels.py).
     bound = 1e-5 * (x.double().abs() @ layer.dequantize().double().abs().T)

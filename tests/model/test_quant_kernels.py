@@ -27,12 +27,13 @@ TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
 # The byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN).
 FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
-# M, N, K: odd M and N (padded row groups), every M regime of the int8 kernel (blocks of four
-# rows and the remainder); K a multiple of 256 so that the K-quants fit too.
-SHAPES = [(1, 1, 256), (1, 37, 512), (3, 13, 256), (4, 8, 256), (7, 33, 768), (13, 64, 256)]
+# M, N, K: odd M and N (padded row groups), every M regime of the int8 kernels (blocks of four
+# rows and the remainder; on AVX512-VNNI tiles of four row groups against 8, 4, 2 and 1 rows, and
+# the groups left over); K a multiple of 256 so that the K-quants fit too.
+SHAPES = [(1, 1, 256), (1, 37, 512), (3, 13, 256), (4, 8, 256), (7, 33, 768), (13, 64, 256), (19, 80, 512)]
 # The SIMD kernels take 32-value blocks in pairs: an odd number of blocks leaves one alone at the
 # end (only types with 32-value blocks can have one).
-ODD_BLOCK_SHAPES = [(1, 5, 32), (1, 9, 288), (5, 7, 96)]
+ODD_BLOCK_SHAPES = [(1, 5, 32), (1, 9, 288), (5, 7, 96), (11, 70, 288)]
 MATMUL_CASES = [(t, shape) for t in TYPES for shape in SHAPES] + [
     (t, shape) for t in (T.Q8_0, T.Q4_0, T.Q4_1) for shape in ODD_BLOCK_SHAPES
 ]
@@ -130,10 +131,12 @@ def test_no_rows_give_no_rows(ggml_type, isa):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels):
+def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels, monkeypatch):
     """From DEQUANTIZED_FROM_ROWS rows on, the activations are not quantized: fp32 rounding only.
-    N spans two tiles and a padded group."""
-    m, n, k = quant.DEQUANTIZED_FROM_ROWS + 3, quant.TILE_ROWS + 5, 512
+    N spans two tiles and a padded group. (The ISA path in use may never take the tiles: here it
+    does from 64 rows.)"""
+    monkeypatch.setitem(quant.DEQUANTIZED_FROM_ROWS, quant.isa(), 64)
+    m, n, k = 64 + 3, quant.TILE_ROWS + 5, 512
     raw = random_blocks(ggml_type, n, k, seed=7)
     layer = QuantizedLinear.from_gguf(raw, ggml_type, n, k)
     w = torch.from_numpy(dequantize(raw, ggml_type)).double()

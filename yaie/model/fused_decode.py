@@ -13,7 +13,8 @@ Q4_1 model, about a tenth of one client's step. A FusedDecode is made for one KV
 It applies when every layer is without q/k norms and has its four projections all
 QuantizedLinear (float32 activations) or all oneDNN-packed Linear, to a step in which every token
 is a sequence's next one (no prompt or chunk, no speculative verification) with fewer rows than
-the quantized matmul's DEQUANTIZED_FROM_ROWS; any other step runs the layers' Python forward.
+the quantized matmul's DEQUANTIZED_FROM_ROWS for the ISA path in use; any other step runs the
+layers' Python forward.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class FusedDecode:
         return (
             not meta.prefills
             and meta.decode_token_idx is None
-            and x.shape[0] < quant.DEQUANTIZED_FROM_ROWS
             and kernels.available(x.device)
+            and x.shape[0] < quant.DEQUANTIZED_FROM_ROWS[quant.isa()]
         )
 
     @functools.cached_property

@@ -27,7 +27,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
         "paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp", "quant_matmul.cpp", "quant_x86.cpp",
-        "activation.cpp", "decode_layer.cpp",
+        "quant_avx512.cpp", "activation.cpp", "decode_layer.cpp",
     )
 ]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.

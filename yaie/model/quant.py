@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,11 +34,14 @@ GROUP_ROWS = 4  # weight rows interleaved in the packed layout
 # Kernel paths, lowest first; the index is what the kernels take.
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
 
-# From this many activation rows on, dequantizing tiles of the weight and multiplying in fp32
-# beats the int8 kernel. benchmarks/quant_matmul.py (AVX2, 1 thread, a busy shared machine):
-# up to 32 rows int8 is 1.1-1.4x faster than the tiles at every shape; at 512 the tiles are
-# 1.1-2x faster at qkv, down and o_proj, even at gate_up, and 0.8x at lm_head; 64-128 is mixed.
-DEQUANTIZED_FROM_ROWS = 64
+# From how many activation rows, per ISA path, dequantizing tiles of the weight and multiplying
+# in fp32 beats the int8 kernel (benchmarks/quant_matmul.py). AVX2 (1 thread, a busy shared
+# machine): up to 32 rows int8 is 1.1-1.4x faster than the tiles at every shape; at 512 the tiles
+# are 1.1-2x faster at qkv, down and o_proj, even at gate_up, and 0.8x at lm_head; 64-128 is
+# mixed. AVX512-VNNI, whose int8 kernel takes 16 weight rows a register from two activation rows
+# on (csrc/quant_avx512.cpp): int8 1.3-2.3x faster than the tiles at every shape up to 512 rows,
+# so never. AVX-VNNI and scalar are unmeasured and keep AVX2's.
+DEQUANTIZED_FROM_ROWS = {"scalar": 64, "avx2": 64, "avxvnni": 64, "avx512vnni": sys.maxsize}
 # Rows per dequantized tile: 256 x 576 fp32 is 576 KiB, within L2 with the activations' rows.
 TILE_ROWS = 256
 
@@ -280,7 +284,7 @@ class QuantizedLinear(nn.Module):
             rows = rows.float().contiguous()
         if self.in_order is not None:
             rows = rows.index_select(1, self.in_order)
-        if rows.shape[0] >= DEQUANTIZED_FROM_ROWS:
+        if rows.shape[0] >= DEQUANTIZED_FROM_ROWS[path]:
             y = torch.ops.yaie.quant_matmul_dequantized(
                 rows, self.qweight, self.scales, self.mins, self.bias, self.out_features, TILE_ROWS
             )

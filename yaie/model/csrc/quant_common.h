@@ -74,6 +74,10 @@ void matmul_avxvnni(const PackedWeights& w, const QuantizedRows& x, int64_t firs
                     int64_t ldy);
 void matmul_avx512vnni(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                        int64_t ldy);
+// Groups first .. up to last four at a time, for several activation rows and a scale per 32
+// values (quant_avx512.cpp); returns where it stopped, the start of what is left (< 4 groups).
+int64_t matmul_many_rows_avx512vnni(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last,
+                                    float* y, int64_t ldy);
 #endif
 
 }  // namespace yaie_quant
