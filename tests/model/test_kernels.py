@@ -55,6 +55,9 @@ CASES = [
     # seqs, heads, kv_heads, head_dim, block_size, max context
     (8, 9, 3, 64, 16, 170),  # the bundled model's shape (GQA, groups of 3)
     (1, 9, 3, 64, 16, 1000),  # several 64-token splits, merged
+    (3, 8, 2, 64, 16, 90),  # groups of 4 (with AVX-512, each group's heads go together)
+    (2, 2, 2, 64, 8, 33),  # groups of 1
+    (2, 10, 2, 64, 16, 40),  # groups of 5: more than AVX-512's grouped loops take
     (3, 4, 4, 32, 16, 1),  # one token of context
     (5, 8, 2, 128, 32, 700),  # head_dim 128, wider blocks
     (4, 6, 1, 16, 1, 40),  # block size 1, one KV head (MQA)

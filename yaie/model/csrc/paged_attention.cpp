@@ -94,6 +94,79 @@ void weighted_sum_avx2(const float* v_cache, const int64_t* block_table, int64_t
 }
 #endif
 
+#if defined(__AVX512F__)
+// An fp32 cache with 64-value heads on AVX-512, the G (<= 4) query heads that read one KV head at
+// a time: a head's row is four registers, so the G query rows stay in registers for the whole
+// split, and a token's row (K, then V) is loaded once for all G heads, where the loops above take
+// one head at a time and reload. For K, each token's G dot products share one horizontal
+// reduction (hadd of four vectors at once); for V, the G weighted sums are 4 x G accumulators.
+// scores [G, n] (stride n) for the tokens begin..end-1; q [G, 64], already scaled.
+template <int G>
+void scores_avx512(const float* q, const float* k_cache, int64_t kv, const int64_t* block_table, int64_t begin,
+                   int64_t end, int64_t block_size, int64_t token_stride, float* scores, int64_t n) {
+  const float* k_head = k_cache + kv * 64;
+  __m512 qv[G][4];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < 4; ++j) qv[g][j] = _mm512_loadu_ps(q + g * 64 + 16 * j);
+  }
+  for (int64_t t = begin; t < end;) {
+    const int64_t offset = t % block_size, count = std::min(block_size - offset, end - t);
+    const float* row = k_head + (block_table[t / block_size] * block_size + offset) * token_stride;
+    for (int64_t j = 0; j < count; ++j, row += token_stride) {
+      const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+      const __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+      __m256 half[4];
+      for (int g = 0; g < 4; ++g) {
+        if (g >= G) {
+          half[g] = _mm256_setzero_ps();
+          continue;
+        }
+        __m512 p = _mm512_mul_ps(qv[g][0], k0);
+        p = _mm512_fmadd_ps(qv[g][1], k1, p);
+        p = _mm512_fmadd_ps(qv[g][2], k2, p);
+        p = _mm512_fmadd_ps(qv[g][3], k3, p);
+        half[g] = _mm256_add_ps(_mm512_castps512_ps256(p), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+      }
+      // [g0 g1 g2 g3] sums of lanes 0-3 in the low 128 bits, of lanes 4-7 in the high ones.
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+      float sums[4];
+      _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      const int64_t i = t - begin + j;
+      for (int g = 0; g < G; ++g) scores[g * n + i] = sums[g];
+    }
+    t += count;
+  }
+}
+
+// out [G, 64] = for each of the G heads, the sum over the tokens of p[g * n + i] * v_i.
+template <int G>
+void weighted_sums_avx512(const float* v_cache, int64_t kv, const int64_t* block_table, int64_t begin, int64_t end,
+                          int64_t block_size, int64_t token_stride, const float* p, int64_t n, float* out) {
+  const float* v_head = v_cache + kv * 64;
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+  }
+  for (int64_t t = begin; t < end;) {
+    const int64_t offset = t % block_size, count = std::min(block_size - offset, end - t);
+    const float* row = v_head + (block_table[t / block_size] * block_size + offset) * token_stride;
+    for (int64_t j = 0; j < count; ++j, row += token_stride) {
+      const __m512 v[4] = {_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16), _mm512_loadu_ps(row + 32),
+                           _mm512_loadu_ps(row + 48)};
+      const int64_t i = t - begin + j;
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(p[g * n + i]);
+        for (int d = 0; d < 4; ++d) acc[g][d] = _mm512_fmadd_ps(weight, v[d], acc[g][d]);
+      }
+    }
+    t += count;
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + g * 64 + 16 * j, acc[g][j]);
+  }
+}
+#endif
+
 struct Shapes {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t blocks_per_split, num_splits;
@@ -144,9 +217,57 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
                   float* max_out, float* sum_out) {
   const int64_t H = s.num_heads, G = s.group(), D = s.head_dim, n = end - begin;
   const int64_t token_stride = s.num_kv_heads * D;  // one token's row: [kv_heads, dim]
-  std::vector<float> qf(H * D), scores(H * n);
-  std::vector<float> row_buf(std::is_same_v<C, float> ? 0 : token_stride);
+  // Per thread and reused: a work item is short enough that allocating these showed.
+  thread_local std::vector<float> qf, scores, row_buf;
+  qf.resize(H * D);
+  scores.resize(H * n);
+  row_buf.resize(std::is_same_v<C, float> ? 0 : token_stride);
   for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+
+  const auto softmax = [&] {
+    for (int64_t h = 0; h < H; ++h) {
+      float* sh = scores.data() + h * n;
+      float m = -FLT_MAX;
+      for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        sh[i] = std::exp(sh[i] - m);
+        sum += sh[i];
+      }
+      max_out[h] = m;
+      sum_out[h] = sum;
+    }
+  };
+
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<C, float>) {
+    if (D == 64 && G <= 4) {
+      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+        const float* q_group = qf.data() + kv * G * D;
+        float* s_group = scores.data() + kv * G * n;
+        switch (G) {
+          case 1: scores_avx512<1>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n); break;
+          case 2: scores_avx512<2>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n); break;
+          case 3: scores_avx512<3>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n); break;
+          default: scores_avx512<4>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n);
+        }
+      }
+      softmax();
+      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+        const float* p = scores.data() + kv * G * n;
+        float* out = acc + kv * G * D;
+        switch (G) {
+          case 1: weighted_sums_avx512<1>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out); break;
+          case 2: weighted_sums_avx512<2>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out); break;
+          case 3: weighted_sums_avx512<3>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out); break;
+          default: weighted_sums_avx512<4>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out);
+        }
+      }
+      return;
+    }
+  }
+#endif
 
   // Calls visit(i, row) for the tokens begin..end-1, one block at a time, with each token's row
   // as fp32; i counts from 0.
@@ -171,19 +292,7 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
     }
   });
 
-  for (int64_t h = 0; h < H; ++h) {
-    float* sh = scores.data() + h * n;
-    float m = -FLT_MAX;
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      sh[i] = std::exp(sh[i] - m);
-      sum += sh[i];
-    }
-    max_out[h] = m;
-    sum_out[h] = sum;
-  }
+  softmax();
 
 #if defined(__AVX2__) && defined(__FMA__)
   // An fp32 cache with the common head sizes: each head's weighted sum of V rows in registers.
