@@ -11,6 +11,8 @@
 //     pass 1  s[h][t] = scale * q_h . k_t                     (reads the split's K blocks once)
 //     pass 2  p = exp(s - max_t s);  acc[h] = sum_t p[t] v_t  (reads its V blocks once; with
 //             AVX2 and an fp32 cache, once per query head, each head's sum kept in registers)
+//   (with AVX-512, an fp32 cache and 64-value heads: both passes per KV head, for all the query
+//   heads that read it at once; see scores_avx512)
 //   then the splits of a sequence are merged with their maxima and sums (the "flash-decoding"
 //   combine), so one sequence still keeps every thread busy: with splits this short, from a
 //   context of 65 tokens on (one client decoding a chat answer), which made its 30 layers
@@ -125,7 +127,8 @@ void scores_avx512(const float* q, const float* k_cache, int64_t kv, const int64
         p = _mm512_fmadd_ps(qv[g][1], k1, p);
         p = _mm512_fmadd_ps(qv[g][2], k2, p);
         p = _mm512_fmadd_ps(qv[g][3], k3, p);
-        half[g] = _mm256_add_ps(_mm512_castps512_ps256(p), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+        const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1));
+        half[g] = _mm256_add_ps(_mm512_castps512_ps256(p), high);
       }
       // [g0 g1 g2 g3] sums of lanes 0-3 in the low 128 bits, of lanes 4-7 in the high ones.
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
@@ -224,8 +227,8 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
   row_buf.resize(std::is_same_v<C, float> ? 0 : token_stride);
   for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
-  const auto softmax = [&] {
-    for (int64_t h = 0; h < H; ++h) {
+  const auto softmax = [&](int64_t first_head, int64_t last_head) {  // scores -> exp(s - max), per head
+    for (int64_t h = first_head; h < last_head; ++h) {
       float* sh = scores.data() + h * n;
       float m = -FLT_MAX;
       for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
@@ -244,24 +247,19 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
   if constexpr (std::is_same_v<C, float>) {
     if (D == 64 && G <= 4) {
       for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
-        const float* q_group = qf.data() + kv * G * D;
-        float* s_group = scores.data() + kv * G * n;
+        const auto attend = [&](auto group) {
+          constexpr int kG = decltype(group)::value;
+          scores_avx512<kG>(qf.data() + kv * G * D, k_cache, kv, block_table, begin, end, s.block_size, token_stride,
+                            scores.data() + kv * G * n, n);
+          softmax(kv * G, (kv + 1) * G);
+          weighted_sums_avx512<kG>(v_cache, kv, block_table, begin, end, s.block_size, token_stride,
+                                   scores.data() + kv * G * n, n, acc + kv * G * D);
+        };
         switch (G) {
-          case 1: scores_avx512<1>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n); break;
-          case 2: scores_avx512<2>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n); break;
-          case 3: scores_avx512<3>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n); break;
-          default: scores_avx512<4>(q_group, k_cache, kv, block_table, begin, end, s.block_size, token_stride, s_group, n);
-        }
-      }
-      softmax();
-      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
-        const float* p = scores.data() + kv * G * n;
-        float* out = acc + kv * G * D;
-        switch (G) {
-          case 1: weighted_sums_avx512<1>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out); break;
-          case 2: weighted_sums_avx512<2>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out); break;
-          case 3: weighted_sums_avx512<3>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out); break;
-          default: weighted_sums_avx512<4>(v_cache, kv, block_table, begin, end, s.block_size, token_stride, p, n, out);
+          case 1: attend(std::integral_constant<int, 1>()); break;
+          case 2: attend(std::integral_constant<int, 2>()); break;
+          case 3: attend(std::integral_constant<int, 3>()); break;
+          default: attend(std::integral_constant<int, 4>());
         }
       }
       return;
@@ -292,7 +290,7 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
     }
   });
 
-  softmax();
+  softmax(0, H);
 
 #if defined(__AVX2__) && defined(__FMA__)
   // An fp32 cache with the common head sizes: each head's weighted sum of V rows in registers.
