@@ -11,8 +11,8 @@
 //     pass 1  s[h][t] = scale * q_h . k_t                     (reads the split's K blocks once)
 //     pass 2  p = exp(s - max_t s);  acc[h] = sum_t p[t] v_t  (reads its V blocks once; with
 //             AVX2 and an fp32 cache, once per query head, each head's sum kept in registers)
-//   (with AVX-512, an fp32 cache and 64-value heads: both passes per KV head, for all the query
-//   heads that read it at once; see scores_avx512)
+//   (with AVX-512 and 64-value heads: both passes per KV head, for all the query heads that read
+//   it at once, 16-bit caches widened in registers; see scores_avx512)
 //   then the splits of a sequence are merged with their maxima and sums (the "flash-decoding"
 //   combine), so one sequence still keeps every thread busy: with splits this short, from a
 //   context of 65 tokens on (one client decoding a chat answer), which made its 30 layers
@@ -97,26 +97,35 @@ void weighted_sum_avx2(const float* v_cache, const int64_t* block_table, int64_t
 #endif
 
 #if defined(__AVX512F__)
-// An fp32 cache with 64-value heads on AVX-512, the G (<= 4) query heads that read one KV head at
-// a time: a head's row is four registers, so the G query rows stay in registers for the whole
-// split, and a token's row (K, then V) is loaded once for all G heads, where the loops above take
-// one head at a time and reload. For K, each token's G dot products share one horizontal
-// reduction (hadd of four vectors at once); for V, the G weighted sums are 4 x G accumulators.
-// scores [G, n] (stride n) for the tokens begin..end-1; q [G, 64], already scaled.
-template <int G>
-void scores_avx512(const float* q, const float* k_cache, int64_t kv, const int64_t* block_table, int64_t begin,
+// Sixteen cache values as fp32: a 16-bit row is widened in registers (bf16 by a shift).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// A cache (fp32, bf16 or fp16) with 64-value heads on AVX-512, the G (<= 4) query heads that
+// read one KV head at a time: a head's row is four registers, so the G query rows stay in
+// registers for the whole split, and a token's row (K, then V) is loaded once for all G heads,
+// where the loops above take one head at a time and reload. For K, each token's G dot products
+// share one horizontal reduction (hadd of four vectors at once); for V, the G weighted sums are
+// 4 x G accumulators. scores [G, n] (stride n) for the tokens begin..end-1; q [G, 64], scaled.
+template <int G, typename C>
+void scores_avx512(const float* q, const C* k_cache, int64_t kv, const int64_t* block_table, int64_t begin,
                    int64_t end, int64_t block_size, int64_t token_stride, float* scores, int64_t n) {
-  const float* k_head = k_cache + kv * 64;
+  const C* k_head = k_cache + kv * 64;
   __m512 qv[G][4];
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < 4; ++j) qv[g][j] = _mm512_loadu_ps(q + g * 64 + 16 * j);
   }
   for (int64_t t = begin; t < end;) {
     const int64_t offset = t % block_size, count = std::min(block_size - offset, end - t);
-    const float* row = k_head + (block_table[t / block_size] * block_size + offset) * token_stride;
+    const C* row = k_head + (block_table[t / block_size] * block_size + offset) * token_stride;
     for (int64_t j = 0; j < count; ++j, row += token_stride) {
-      const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
-      const __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+      const __m512 k0 = load16(row), k1 = load16(row + 16), k2 = load16(row + 32), k3 = load16(row + 48);
       __m256 half[4];
       for (int g = 0; g < 4; ++g) {
         if (g >= G) {
@@ -142,20 +151,19 @@ void scores_avx512(const float* q, const float* k_cache, int64_t kv, const int64
 }
 
 // out [G, 64] = for each of the G heads, the sum over the tokens of p[g * n + i] * v_i.
-template <int G>
-void weighted_sums_avx512(const float* v_cache, int64_t kv, const int64_t* block_table, int64_t begin, int64_t end,
+template <int G, typename C>
+void weighted_sums_avx512(const C* v_cache, int64_t kv, const int64_t* block_table, int64_t begin, int64_t end,
                           int64_t block_size, int64_t token_stride, const float* p, int64_t n, float* out) {
-  const float* v_head = v_cache + kv * 64;
+  const C* v_head = v_cache + kv * 64;
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
   }
   for (int64_t t = begin; t < end;) {
     const int64_t offset = t % block_size, count = std::min(block_size - offset, end - t);
-    const float* row = v_head + (block_table[t / block_size] * block_size + offset) * token_stride;
+    const C* row = v_head + (block_table[t / block_size] * block_size + offset) * token_stride;
     for (int64_t j = 0; j < count; ++j, row += token_stride) {
-      const __m512 v[4] = {_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16), _mm512_loadu_ps(row + 32),
-                           _mm512_loadu_ps(row + 48)};
+      const __m512 v[4] = {load16(row), load16(row + 16), load16(row + 32), load16(row + 48)};
       const int64_t i = t - begin + j;
       for (int g = 0; g < G; ++g) {
         const __m512 weight = _mm512_set1_ps(p[g * n + i]);
@@ -244,15 +252,15 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
   };
 
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<C, float>) {
+  if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>) {
     if (D == 64 && G <= 4) {
       for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
         const auto attend = [&](auto group) {
           constexpr int kG = decltype(group)::value;
-          scores_avx512<kG>(qf.data() + kv * G * D, k_cache, kv, block_table, begin, end, s.block_size, token_stride,
+          scores_avx512<kG, C>(qf.data() + kv * G * D, k_cache, kv, block_table, begin, end, s.block_size, token_stride,
                             scores.data() + kv * G * n, n);
           softmax(kv * G, (kv + 1) * G);
-          weighted_sums_avx512<kG>(v_cache, kv, block_table, begin, end, s.block_size, token_stride,
+          weighted_sums_avx512<kG, C>(v_cache, kv, block_table, begin, end, s.block_size, token_stride,
                                    scores.data() + kv * G * n, n, acc + kv * G * D);
         };
         switch (G) {
