@@ -38,9 +38,9 @@ ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
 # in fp32 beats the int8 kernel (benchmarks/quant_matmul.py). AVX2 (1 thread, a busy shared
 # machine): up to 32 rows int8 is 1.1-1.4x faster than the tiles at every shape; at 512 the tiles
 # are 1.1-2x faster at qkv, down and o_proj, even at gate_up, and 0.8x at lm_head; 64-128 is
-# mixed. AVX512-VNNI, whose int8 kernel takes 16 weight rows a register from two activation rows
-# on (csrc/quant_avx512.cpp): int8 1.3-2.3x faster than the tiles at every shape up to 512 rows,
-# so never. AVX-VNNI and scalar are unmeasured and keep AVX2's.
+# mixed. AVX512-VNNI (2 threads), whose int8 kernel takes 16 weight rows a register from two
+# activation rows on (csrc/quant_avx512.cpp): int8 1.7-2.3x faster than the tiles at 512 rows at
+# every shape, more at fewer, so never. AVX-VNNI and scalar are unmeasured and keep AVX2's.
 DEQUANTIZED_FROM_ROWS = {"scalar": 64, "avx2": 64, "avxvnni": 64, "avx512vnni": sys.maxsize}
 # Rows per dequantized tile: 256 x 576 fp32 is 576 KiB, within L2 with the activations' rows.
 TILE_ROWS = 256
