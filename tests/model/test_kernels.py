@@ -6,8 +6,13 @@ path that touches the cache runs with each KV cache dtype."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from yaie.model import kernels
 from yaie.model.attention import (
@@ -281,3 +286,17 @@ def test_this_machine_builds_under_its_cpu_key():
     name = kernels.extension_name()
     assert name.startswith("yaie_kernels_") and name.isidentifier()
     assert name == kernels.extension_name()
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_start(native_kernels):
+    """A first start stopped while compiling leaves torch's `lock` file in the build directory;
+    torch alone would wait on it forever at every later start. The timeout only ends the wait
+    of the failing case: a built extension loads in a few seconds."""
+    lock = Path(cpp_extension._get_build_directory(kernels.extension_name(), verbose=False)) / "lock"
+    lock.touch()
+    try:
+        code = "from yaie.model import kernels; assert kernels.load()"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        assert not lock.exists()
+    finally:
+        lock.unlink(missing_ok=True)

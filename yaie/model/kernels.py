@@ -11,12 +11,15 @@ another CPU cannot run.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -72,20 +75,36 @@ def load() -> bool:
     from torch.utils import cpp_extension
 
     name = extension_name()
-    logger.info("loading yaie's CPU kernels (%s); the first time on a CPU compiles them (~20 s)", name)
+    logger.info("loading yaie's CPU kernels (%s); a CPU's first start compiles them (a minute or two)", name)
     try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
+        # The directory load() builds `name` in (torch's helper: it depends on TORCH_EXTENSIONS_DIR
+        # and the Python and CUDA versions).
+        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            cpp_extension.load(
+                name=name,
+                sources=[str(path) for path in _SOURCES],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as exc:
         logger.warning("native CPU kernels unavailable, using the PyTorch path (slower): %s", exc)
         return False
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Holds `build_dir` for this process while it builds or loads. torch guards a build with a
+    `lock` file, which a build killed midway (Ctrl-C during a first start) leaves behind, and every
+    later start then waits on it forever, silently. An flock is released by the OS with its
+    holder: while we hold it no other yaie process is building here, so a `lock` file found then
+    is such a leftover, and goes."""
+    with open(build_dir / "yaie.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def paged_decode_attention(
