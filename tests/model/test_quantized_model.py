@@ -172,7 +172,7 @@ def checked_logits(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> torc
     CHECKED.clear()
     with monkeypatch.context() as patch:
         patch.setattr(QuantizedLinear, "forward", checked_forward)
-        # A prompt of fewer than quant.DEQUANTIZED_FROM_ROWS[...] tokens (64 or more): the int8 kernels run.
+        # A prompt shorter than any path's quant.DEQUANTIZED_FROM_ROWS (64 at least): int8 kernels run.
         result = logits(loaded)
     expected = sum(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
     assert len(CHECKED) == expected > 0
