@@ -108,7 +108,8 @@ def _add_engine_args(add: Any) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="what the KV cache stores; auto: --dtype. 16 bits hold twice the tokens in the same memory",
+        help="what the KV cache stores; auto: --dtype, or float16 under quantized weights (as llama.cpp). "
+        "16 bits hold twice the tokens in the same memory",
     )
     add("--max-model-len", type=_positive_int, help="context length (default: the model's)")
     add("--num-kv-blocks", type=_positive_int, help="KV cache blocks (overrides --kv-cache-memory)")

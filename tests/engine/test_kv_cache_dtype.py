@@ -4,26 +4,49 @@ twice the blocks in the same memory, and greedy decoding still gives transformer
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import assert_no_leak
 
 from yaie import LLM, SamplingParams
 from yaie.config import EngineConfig
+from yaie.engine.engine import resolve_kv_cache_dtype
 
 
 @pytest.mark.slow
 def test_a_16_bit_cache_holds_twice_the_blocks_in_the_same_memory(llm):
     memory = 100 * llm.engine.kv_block_bytes + 1000  # fp32: 100 blocks and change, rounded down
-    full = LLM(kv_cache_memory=memory).engine
-    assert full.model_info.kv_cache_dtype == "float32"  # auto: the model's dtype
+    full = LLM(kv_cache_memory=memory, quantization="none").engine
+    assert full.model_info.kv_cache_dtype == "float32"  # auto: the dense model's dtype
     assert full.stats().num_kv_blocks == 100
     for kv_cache_dtype in ("bfloat16", "float16"):
-        half = LLM(kv_cache_memory=memory, kv_cache_dtype=kv_cache_dtype).engine
+        half = LLM(kv_cache_memory=memory, kv_cache_dtype=kv_cache_dtype, quantization="none").engine
         assert half.model_info.kv_cache_dtype == kv_cache_dtype
         assert str(half.runner.kv_cache.dtype) == f"torch.{kv_cache_dtype}"
         assert half.kv_block_bytes * 2 == full.kv_block_bytes
         assert half.stats().num_kv_blocks == 200
         # The bytes the metrics report per block are the pool's own.
         assert half.runner.kv_cache.nbytes == 200 * half.stats().kv_block_bytes <= memory
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantized", "expected"),
+    [
+        (torch.float32, False, torch.float32),  # dense: its own dtype, transformers' exact K/V
+        (torch.float32, True, torch.float16),  # quantized weights computing in fp32: llama.cpp's f16
+        (torch.bfloat16, True, torch.bfloat16),  # already 16-bit: the compute dtype
+        (torch.bfloat16, False, torch.bfloat16),
+    ],
+)
+def test_auto_kv_cache_dtype(dtype, quantized, expected):
+    assert resolve_kv_cache_dtype("auto", dtype, quantized) == expected
+    assert resolve_kv_cache_dtype("float32", dtype, quantized) == torch.float32  # asked for: kept
+
+
+def test_the_bundled_quantized_model_caches_float16_by_default():
+    engine = LLM(num_kv_blocks=8).engine  # the GGUF's Q4_1 weights, as stored
+    assert engine.model_info.quantization != "none"
+    assert engine.model_info.kv_cache_dtype == "float16"
+    assert engine.runner.kv_cache.dtype == torch.float16
 
 
 @pytest.mark.slow
