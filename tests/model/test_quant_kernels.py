@@ -28,9 +28,12 @@ TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
 FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
 # M, N, K: odd M and N (padded row groups), every M regime of the int8 kernels (blocks of four
-# rows and the remainder; on AVX512-VNNI tiles of four row groups against 8, 4, 2 and 1 rows, and
-# the groups left over); K a multiple of 256 so that the K-quants fit too.
-SHAPES = [(1, 1, 256), (1, 37, 512), (3, 13, 256), (4, 8, 256), (7, 33, 768), (13, 64, 256), (19, 80, 512)]
+# rows and the remainder; on AVX512-VNNI tiles of four row groups against 16, 8, 4, 2 and 1 rows,
+# and the groups left over); K a multiple of 256 so that the K-quants fit too.
+SHAPES = [
+    (1, 1, 256), (1, 37, 512), (3, 13, 256), (4, 8, 256), (7, 33, 768), (13, 64, 256), (19, 80, 512),
+    (31, 40, 256),
+]  # fmt: skip
 # The SIMD kernels take 32-value blocks in pairs: an odd number of blocks leaves one alone at the
 # end (only types with 32-value blocks can have one).
 ODD_BLOCK_SHAPES = [(1, 5, 32), (1, 9, 288), (5, 7, 96), (11, 70, 288)]
