@@ -1,7 +1,8 @@
 """What quantized weights cost in quality: perplexity of the bundled model over a fixed English text.
 
     python benchmarks/perplexity.py [--text /usr/share/common-licenses/GPL-3] [--window 1024]
-        [--matmul int8|tiles] [--dense DIR] [--out benchmarks/results/perplexity.json]
+        [--matmul int8|tiles] [--dense DIR] [--kv-cache-dtype auto] [--max-num-batched-tokens 2048]
+        [--out benchmarks/results/perplexity.json]
 
 The text is the GPL-3 licence, present on every Debian machine. It is tokenized once with the
 model's tokenizer, cut into non-overlapping windows of `--window` tokens (a shorter tail is left
@@ -23,6 +24,13 @@ tiles of the weight are dequantized and multiplied in fp32, the weights' roundin
 that is the fp32 row itself). Scoring a prompt is a prefill, so `--matmul int8` (the default)
 raises that threshold for the run to score through the decoding path, whose error every generated
 token carries; `--matmul tiles` scores through the prefill path.
+
+What the KV cache stores (`--kv-cache-dtype`, auto: float16 under the quantized weights, float32
+under the dense ones) only counts where attention reads it: a window prefilled in one step
+attends to its own fresh K/V. `--max-num-batched-tokens 64` prefills each window in 64-token
+chunks, so every later chunk reads the earlier ones back from the cache, as decoding does; run
+it once with `--kv-cache-dtype float32` and once with `float16` (or `bfloat16`) to see what the
+16-bit cache costs.
 
 The log-probabilities come through the public API: `SamplingParams(prompt_logprobs=0)` returns
 each prompt token's log_softmax of the raw logits (no temperature, penalties or bias applied).
@@ -46,6 +54,7 @@ from dense_copy import DEFAULT_OUT, make_dense_copy
 from rich.table import Table
 
 from yaie import LLM, SamplingParams
+from yaie.config import KV_CACHE_DTYPES, EngineConfig
 from yaie.model import quant
 from yaie.model.loader import bundled_model_path, load_tokenizer
 
@@ -104,8 +113,11 @@ def window_nlls(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
     return nlls
 
 
-def score(variant: Variant, model: str, prompts: list[list[int]]) -> dict[str, Any]:
-    llm = LLM(model, quantization=variant.quantization, kv_cache_memory=512 * 2**20)
+def score(variant: Variant, model: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    llm = LLM(
+        model, quantization=variant.quantization, kv_cache_memory=512 * 2**20,
+        kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
     info = llm.engine.model_info
     per_window = window_nlls(llm, prompts)
     del llm
@@ -118,6 +130,7 @@ def score(variant: Variant, model: str, prompts: list[list[int]]) -> dict[str, A
         "quantization": variant.quantization,
         "weight_types": info.quantization,
         "kernel_isa": info.kernel_isa,
+        "kv_cache_dtype": info.kv_cache_dtype,
         "weight_bytes": info.weight_bytes,
         "scored_tokens": tokens,
         "mean_nll": mean_nll,
@@ -128,14 +141,16 @@ def score(variant: Variant, model: str, prompts: list[list[int]]) -> dict[str, A
 
 def render_table(rows: list[dict[str, Any]], window: int, matmul: str) -> Table:
     table = Table(title=f"perplexity over the GPL-3, {window}-token windows, {matmul} quantized matmuls")
-    for column in ("weights", "linear layers", "MiB resident", "mean NLL", "perplexity", "x fp32", "floor"):
+    columns = ("weights", "linear layers", "KV cache", "MiB resident", "mean NLL", "perplexity", "x fp32")
+    for column in (*columns, "floor"):
         table.add_column(column, justify="right")
     for row in rows:
         floor = FLOORS.get(row["name"])
         met = floor is not None and row["ratio_to_fp32"] <= floor
         verdict = "" if floor is None else f"<= {floor}x " + ("ok" if met else "MISSED")
         table.add_row(
-            row["name"], row["weight_types"], f"{row['weight_bytes'] / 2**20:.0f}", f"{row['mean_nll']:.4f}",
+            row["name"], row["weight_types"], row["kv_cache_dtype"], f"{row['weight_bytes'] / 2**20:.0f}",
+            f"{row['mean_nll']:.4f}",
             f"{row['perplexity']:.3f}", f"{row['ratio_to_fp32']:.4f}", verdict,
         )  # fmt: skip
     return table
@@ -154,6 +169,13 @@ def main() -> int:
         help="the quantized layers' kernel: int8 activations (decoding's) or dequantized tiles (prefill's)",
     )
     parser.add_argument("--dense", type=Path, default=DEFAULT_OUT, help="the fp32 copy (made if missing)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="as `yaie serve`'s")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.max_num_batched_tokens,
+        help="prefill chunk budget; below --window, later chunks read K/V back from the cache",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/perplexity.json"))
     args = parser.parse_args()
     console = make_console()
@@ -171,7 +193,7 @@ def main() -> int:
     rows = []
     with matmul_path(args.matmul):
         for variant in VARIANTS:
-            rows.append(score(variant, str(gguf if variant.source == "gguf" else dense), prompts))
+            rows.append(score(variant, str(gguf if variant.source == "gguf" else dense), prompts, args))
             console.log(f"{variant.name}: perplexity {rows[-1]['perplexity']:.4f}")
     baseline = rows[0]["perplexity"]
     for row in rows:
@@ -187,6 +209,8 @@ def main() -> int:
             "text_tokens": len(token_ids),
             "window": args.window,
             "matmul": args.matmul,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             "windows": len(prompts),
             "tokens_left_out": len(token_ids) - len(prompts) * args.window,
             "floors": FLOORS,

@@ -115,17 +115,23 @@ def test_quantized_weights_keep_vectors_in_16_bits() -> None:
 
 def test_bundled_model_budget_equals_the_engines_block_count() -> None:
     torch = pytest.importorskip("torch")
+    from yaie.engine.engine import resolve_kv_cache_dtype
     from yaie.engine.model_runner import ModelRunner
     from yaie.model.config import ModelConfig
     from yaie.model.loader import bundled_model_path, open_checkpoint
 
     config = ModelConfig.from_hf(open_checkpoint(bundled_model_path()).hf_config())
     kv_cache_memory = 100 * (1 << 20) + 12345
-    # The engine: num_blocks = kv_cache_memory // bytes_per_block, float32 cache on the CPU.
-    block_bytes = ModelRunner.bytes_per_block(config, BLOCK, torch.float32)
-    plan = make_plan(load_model_source(None), kv_cache_dtype="float32", kv_cache_memory=kv_cache_memory)
-    assert plan.bytes_per_block == block_bytes
-    assert plan.kv_budget_blocks == kv_cache_memory // block_bytes
+    # The engine: num_blocks = kv_cache_memory // bytes_per_block, in the cache dtype `auto` picks
+    # for the bundled file's quantized weights on the CPU, as the plan's `auto` does.
+    for kv_cache_dtype in ("auto", "float32"):
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, quantized=True)
+        block_bytes = ModelRunner.bytes_per_block(config, BLOCK, kv_dtype)
+        plan = make_plan(
+            load_model_source(None), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory
+        )
+        assert plan.bytes_per_block == block_bytes
+        assert plan.kv_budget_blocks == kv_cache_memory // block_bytes
 
 
 def test_every_preset_plans() -> None:

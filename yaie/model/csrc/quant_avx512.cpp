@@ -187,8 +187,9 @@ int64_t matmul_many_rows_avx512vnni(const PackedWeights& w, const QuantizedRows&
   QuantizedRows rows = x;
   thread_local std::vector<int8_t> shifted;  // 8-bit weights: the activations + 128, per thread
   if (w.bits == 8 && end > first) {
-    shifted.resize(static_cast<size_t>(x.rows * x.blocks * kBlock));
-    for (size_t i = 0; i < shifted.size(); ++i) shifted[i] = static_cast<int8_t>(x.q[i] ^ 0x80);
+    const auto size = static_cast<size_t>(x.rows * x.blocks * kBlock);
+    if (shifted.size() < size) shifted.resize(size);  // only grows, as quantize_rows' buffer
+    for (size_t i = 0; i < size; ++i) shifted[i] = static_cast<int8_t>(x.q[i] ^ 0x80);
     rows.q = shifted.data();
   }
   if (w.half_scales) {

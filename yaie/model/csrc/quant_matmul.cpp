@@ -146,11 +146,14 @@ Kernels kernels_for(int64_t isa) {
 
 // The quantized activations live in one per-thread buffer that grows to the largest call and is
 // reused: a one-row matmul is short enough that three tensor allocations a call are measurable.
+// It only grows: shrinking it for a narrower matmul would zero-fill it again for the next wider
+// one (a layer's down projection after its K=576 ones).
 QuantizedRows quantize_rows(const at::Tensor& x, QuantizeRowFn quantize_row) {
   const int64_t rows = x.size(0), blocks = x.size(1) / kBlock;
   thread_local std::vector<float> buffer;
   // q as int8 [rows, blocks * 32] (8 floats' bytes per block), then d and s as floats [rows, blocks].
-  buffer.resize(static_cast<size_t>(rows * blocks * 10));
+  const auto needed = static_cast<size_t>(rows * blocks * 10);
+  if (buffer.size() < needed) buffer.resize(needed);
   int8_t* q = reinterpret_cast<int8_t*>(buffer.data());
   float* d = buffer.data() + rows * blocks * 8;
   float* s = d + rows * blocks;
