@@ -115,10 +115,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, quantized: b
 
     "auto" is `dtype`, the model's compute dtype, except under quantized weights computing in
     float32: there float16, as llama.cpp's default cache. The weights are rounded far more than
-    fp16 rounds K/V (its 11-bit significand moved the bundled Q4_1 model's perplexity by 0.02%,
-    bf16's 8 bits by 0.2%: benchmarks/perplexity.py --kv-cache-dtype), and at many sequences
-    decode attention reads the whole cache every step, so half the bytes is a faster step.
-    Dense weights keep their own dtype: `--quantization none` is exact transformers parity.
+    16 bits round K/V (the bundled Q4_1 model's perplexity moved by 0.07% with a float16 cache:
+    benchmarks/perplexity.py --kv-cache-dtype, README), and at many sequences decode attention
+    reads the whole cache every step, so half the bytes make a faster step. float16 rather than
+    bfloat16 for its three more significand bits. Dense weights keep their own dtype:
+    `--quantization none` is exact transformers parity.
     """
     if kv_cache_dtype == "auto":
         return torch.float16 if quantized and dtype == torch.float32 else dtype
