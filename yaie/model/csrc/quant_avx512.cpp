@@ -9,11 +9,12 @@
 // all sixteen dot products, already one per lane: one convert and one or two FMAs finish the
 // block. The transposition (two permutes per group, sixteen 128-bit shuffles) is paid once per
 // block and shared by every activation row of a tile, so from two rows on this does several
-// times less work per multiply-add. Tiles take up to 16 activation rows: the 16 accumulators and
-// the 8 transposed registers still fit the 32 vector registers, and halving the transpositions
-// per row against 8-row tiles made the 32-row matmul of the 4-bit layers ~1.2x faster (a
-// standalone microbenchmark, one thread, the best of seven runs). The packed layout is
-// quant_common.h's, unchanged.
+// times less work per multiply-add. Tiles take up to 16 activation rows, sharing each
+// transposition with twice the rows of an 8-row tile; the compiler then keeps some of the 16
+// accumulators on the stack (in L1), and still the 32-row matmuls ran ~1.2x faster in a
+// standalone microbenchmark and batch-32 decoding ~1.15x on average in process
+// (benchmarks/results/kv-fp16-tiles16-revisions.txt). The packed layout is quant_common.h's,
+// unchanged.
 //
 // vpdpbusd multiplies unsigned by signed bytes. 4-bit weights (0..15) are the unsigned side. For
 // 8-bit weights the activations are: x + 128 (its bits XOR 0x80, in a copy made once per call,
