@@ -228,11 +228,16 @@ void attend_split(const Q* q, const C* k_cache, const C* v_cache, const int64_t*
                   float* max_out, float* sum_out) {
   const int64_t H = s.num_heads, G = s.group(), D = s.head_dim, n = end - begin;
   const int64_t token_stride = s.num_kv_heads * D;  // one token's row: [kv_heads, dim]
-  // Per thread and reused: a work item is short enough that allocating these showed.
+  // Per thread and reused: a work item is short enough that allocating these showed. They only
+  // grow: resizing `scores` down for a short sequence would zero-fill it again for the next,
+  // longer one (the sequences of a batch differ in length).
   thread_local std::vector<float> qf, scores, row_buf;
-  qf.resize(H * D);
-  scores.resize(H * n);
-  row_buf.resize(std::is_same_v<C, float> ? 0 : token_stride);
+  const auto grow = [](std::vector<float>& v, int64_t size) {
+    if (v.size() < static_cast<size_t>(size)) v.resize(static_cast<size_t>(size));
+  };
+  grow(qf, H * D);
+  grow(scores, H * n);
+  if constexpr (!std::is_same_v<C, float>) grow(row_buf, token_stride);
   for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
   const auto softmax = [&](int64_t first_head, int64_t last_head) {  // scores -> exp(s - max), per head
