@@ -150,8 +150,7 @@ def render_table(rows: list[dict[str, Any]], window: int, matmul: str) -> Table:
         verdict = "" if floor is None else f"<= {floor}x " + ("ok" if met else "MISSED")
         table.add_row(
             row["name"], row["weight_types"], row["kv_cache_dtype"], f"{row['weight_bytes'] / 2**20:.0f}",
-            f"{row['mean_nll']:.4f}",
-            f"{row['perplexity']:.3f}", f"{row['ratio_to_fp32']:.4f}", verdict,
+            f"{row['mean_nll']:.4f}", f"{row['perplexity']:.3f}", f"{row['ratio_to_fp32']:.4f}", verdict,
         )  # fmt: skip
     return table
 

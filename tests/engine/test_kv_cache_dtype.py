@@ -42,6 +42,7 @@ def test_auto_kv_cache_dtype(dtype, quantized, expected):
     assert resolve_kv_cache_dtype("float32", dtype, quantized) == torch.float32  # asked for: kept
 
 
+@pytest.mark.slow
 def test_the_bundled_quantized_model_caches_float16_by_default():
     engine = LLM(num_kv_blocks=8).engine  # the GGUF's Q4_1 weights, as stored
     assert engine.model_info.quantization != "none"
