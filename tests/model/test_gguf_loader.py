@@ -283,6 +283,19 @@ def test_llama_hf_config_agrees_with_transformers(gguf_dir, vocab, llama):
     assert ours["attention_bias"] is False
 
 
+def test_the_checkpoint_does_not_keep_the_vocabulary(gguf_dir, vocab, llama):
+    """The vocabulary's arrays are the tokenizer's (transformers reads them from the file): kept
+    through loading they fragmented Python's allocator (README, "Memory"). The size they imply
+    is still known where the file does not state it."""
+    path = write(gguf_dir, vocab, "llama", llama, Q.Q8_0, tag="-no-vocab-size", write_vocab_size=False)
+    checkpoint = GGUFCheckpoint(str(path))
+    kept = [key for key in checkpoint.reader.fields if key.startswith("tokenizer.ggml.")]
+    assert "tokenizer.ggml.tokens" in GGUFReader(str(path)).fields
+    assert "tokenizer.ggml.tokens" not in kept and "tokenizer.ggml.merges" not in kept
+    assert "tokenizer.ggml.eos_token_id" in kept  # single values stay: the config reads them
+    assert checkpoint.hf_config()["vocab_size"] == len(vocab[0]) == llama.config.vocab_size
+
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
 def test_llama_with_qkv_bias(gguf_dir, vocab, llama_qkv_bias, qtype):
     """llama.cpp permutes Q/K biases like the weights. transformers drops llama biases from GGUF

@@ -265,11 +265,13 @@ def load_model(
     yaie/model/quantization.py."""
     start = time.perf_counter()
     path = resolve_model_path(model)
-    # The tokenizer parses the file on its own; let it do so while we read the weights.
+    # Opened before the tokenizer starts: GGUFCheckpoint says why nothing else should allocate
+    # while it parses the header.
+    checkpoint = open_checkpoint(path)
+    _check_quantization(quantization, checkpoint, path, device)
+    # The tokenizer reads the file on its own; let it do so while we read the weights.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_tokenizer, path)
-        checkpoint = open_checkpoint(path)
-        _check_quantization(quantization, checkpoint, path, device)
         config = ModelConfig.from_hf(checkpoint.hf_config())
         positions = max_positions or config.max_position_embeddings
         with torch.device(device):

@@ -145,6 +145,16 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(
                 f"GGUF architecture {self.arch!r} is not supported; yaie reads {supported}"
             )
+        fields = self.reader.fields
+        tokens = fields.get("tokenizer.ggml.tokens")
+        self._vocab_len = None if tokens is None else len(tokens.data)
+        # The vocabulary's arrays (tokens, merges, scores: ~100k small numpy arrays, ~60 MiB of
+        # Python objects) are the tokenizer's, and transformers reads them from the file itself.
+        # Dropped now, before anything else is allocated among them: freed only with the reader,
+        # at the end of loading, they left Python's allocator holding ~60 MiB of arenas, each
+        # kept by a few objects made meanwhile, for the life of the server.
+        for key in [k for k, f in fields.items() if k.startswith("tokenizer.ggml.") and len(f.data) > 1]:
+            del fields[key]
         self.tensors = {t.name: t for t in self.reader.tensors}
         for t in self.reader.tensors:
             if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -168,7 +178,7 @@ class GGUFCheckpoint:
         a = self.arch
         heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
-        vocab = self._field(f"{a}.vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = self._field(f"{a}.vocab_size") or self._vocab_len
         cfg: dict[str, Any] = {
             "architectures": [GGUF_ARCHITECTURES[a]],
             "vocab_size": vocab,
