@@ -1,8 +1,8 @@
 """The native CPU kernels against plain PyTorch: decode attention over the paged KV cache (and
 the PyTorch path that replaces it) against attention over each sequence's keys laid out densely;
-the fused residual add + RMSNorm, the in-place RoPE and the KV write against the ops they replace;
-a prompt chunk after cached tokens, both ways it is computed, against textbook attention. Every
-path that touches the cache runs with each KV cache dtype."""
+the fused residual add + RMSNorm, the in-place RoPE, the KV write and the greedy argmax against
+the ops they replace; a prompt chunk after cached tokens, both ways it is computed, against
+textbook attention. Every path that touches the cache runs with each KV cache dtype."""
 
 from __future__ import annotations
 
@@ -136,6 +136,27 @@ def test_silu_and_mul_is_within_an_ulp_of_pytorch(rows, intermediate, native_ker
     out = kernels.silu_and_mul(gate_up)
     assert out.shape == (rows, intermediate)
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 8, 33])  # 33: several threads, one row more than even
+@pytest.mark.parametrize("vocab", [49152, 1000, 1])  # 1000: the last stretch of 64 values is short
+def test_argmax_rows_gives_torch_argmax(rows, vocab, native_kernels):
+    gen = torch.Generator().manual_seed(rows * vocab + 1)
+    logits = torch.randn(rows, vocab, generator=gen) * 10
+    if rows >= 8 and vocab > 1:
+        last = vocab - 1
+        logits[0, [5 % vocab, last]] = 1e3  # tied maxima: the first wins
+        logits[1, : last + 1 : 2] = 7.0  # a tie in every other stretch
+        logits[1, 1::2] = -7.0
+        logits[2] = -float("inf")  # nothing better than -inf: index 0
+        logits[3, last] = float("inf")
+        logits[4, [3, last]] = float("nan")  # a NaN counts as the largest: the first NaN
+        logits[4, 0] = float("inf")
+        logits[5] = 0.0
+        logits[5, 0] = -0.0  # equal to 0.0: the first index
+        logits[6, 0] = float("nan")
+        logits[7, 64 % vocab] = 1e6  # the maximum starts a stretch
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
 
 
 def strided_heads(tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
         "paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp", "quant_matmul.cpp", "quant_x86.cpp",
-        "quant_avx512.cpp", "activation.cpp", "decode_layer.cpp",
+        "quant_avx512.cpp", "activation.cpp", "decode_layer.cpp", "argmax.cpp",
     )
 ]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
@@ -144,3 +144,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [tokens, 2 * intermediate] float32 -> [tokens, intermediate];
     about an ulp from PyTorch's silu (see csrc/activation.cpp for who may use it)."""
     return torch.ops.yaie.silu_and_mul(gate_up)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for contiguous float32 logits [rows, vocab] -> int64 [rows],
+    the same indices (first of equal maxima, first NaN), without PyTorch's value-at-a-time loop."""
+    return torch.ops.yaie.argmax_rows(logits)
