@@ -193,7 +193,7 @@ class Engine:
             target = TargetInfo(
                 self.model_config.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
                 num_blocks, self.max_model_len, frozenset(self.eos_token_ids),
-                target_model, loaded.quantization != "none",
+                target_model, quantized,
             )  # fmt: skip
             self.speculator = SpeculativeDecoder.create(spec_config, target, self.scheduler)
         self.sampler = Sampler(self.eos_token_ids)
