@@ -9,7 +9,9 @@
 # to that tree so it imports its own yaie, and its own copy of the benchmark script (a script
 # whose calling convention the change altered still measures each side as it is). Every
 # output is kept under benchmarks/results/revisions/ as base-N.txt / head-N.txt; compare
-# the tables (or the JSON a script writes, named by its own --out) side by side.
+# the tables (or the JSON a script writes, named by its own --out) side by side. A script run in
+# the working tree writes its default --out there too: a tracked result (the README's source)
+# that the runs rewrote is restored at the end, with a line saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +28,7 @@ base_tree=$(mktemp -d /tmp/yaie-base-XXXXXX)
 trap 'git worktree remove --force "$base_tree" >/dev/null 2>&1 || true' EXIT
 git worktree add --detach "$base_tree" "$base_rev" >/dev/null
 here=$(pwd)
+dirty_before=$(git diff --name-only -- benchmarks/results)
 echo "base: $(git -C "$base_tree" log --oneline -1)"
 echo "head: $(git log --oneline -1) + working tree"
 
@@ -38,4 +41,11 @@ for round in $(seq 1 "$rounds"); do
         (cd "$tree" && PYTHONPATH="$tree" TORCH_EXTENSIONS_DIR="/tmp/yaie-ext-$side" "$@") \
             | tee "$here/$out/$side-$round.txt"
     done
+done
+
+for file in $(git diff --name-only -- benchmarks/results); do
+    if ! grep -qxF "$file" <<<"$dirty_before"; then
+        git checkout -- "$file"
+        echo "restored $file, which the runs rewrote (give the command its own --out to keep one)"
+    fi
 done
