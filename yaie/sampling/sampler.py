@@ -43,8 +43,8 @@ the random number of each seeded row from its own generator. In order:
 
 When every row is greedy with nothing to apply (no bias, penalties, active min_tokens or
 logprobs), the step is a single argmax. Greedy argmaxes of float32 rows on the CPU take the native
-kernel (yaie/model/csrc/argmax.cpp: the same indices, ~10x faster than PyTorch's at 32 rows of
-a 49k vocabulary, where PyTorch's took a millisecond of every decode step).
+kernel (yaie/model/csrc/argmax.cpp: the same indices; at 32 rows of a 49k vocabulary the greedy
+step fell from ~1.4 to ~0.2 ms, benchmarks/results/argmax-revisions.txt).
 
 `Sampler.distributions` runs stages 1-3 alone and returns each row's distribution as
 probabilities, for callers that decide tokens themselves (speculative decoding's verifier and
