@@ -119,6 +119,12 @@ def _add_engine_args(add: Any) -> None:
         help="KV cache size, e.g. 2GiB (default: a share of free memory)",
     )
     add(
+        "--threads",
+        type=_positive_int,
+        help="CPU threads the model runs on (default: one per core). Where another program keeps a "
+        "core busy, one thread fewer than cores decodes faster: every step waits for its slowest thread",
+    )
+    add(
         "--speculative-config",
         type=_json_object,
         help='speculative decoding, as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
@@ -135,6 +141,7 @@ def _engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
         speculative_config=args.speculative_config,
+        num_threads=args.threads,
         **overrides,
     )
 

@@ -69,10 +69,20 @@ def test_kv_cache_dtype_flag(monkeypatch: pytest.MonkeyPatch) -> None:
         build_parser().parse_args(["chat", "--kv-cache-dtype", "fp8"])
 
 
+# That the engine then runs on that many threads: test_generate_streams_a_completion.
+def test_threads_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build_parser().parse_args(["serve"]).threads is None  # torch's default: one per core
+    assert build_parser().parse_args(["generate", "hi", "--threads", "1"]).threads == 1
+    monkeypatch.setenv("YAIE_THREADS", "3")
+    assert build_parser().parse_args(["serve"]).threads == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--threads", "0"])
+
+
 @pytest.mark.slow
 def test_generate_streams_a_completion(llm: LLM) -> None:
     prompt = "The capital of France is"
-    flags = ["--max-tokens=12", "--temperature=0", "--num-kv-blocks=64", "--quantization=none"]
+    flags = ["--max-tokens=12", "--temperature=0", "--num-kv-blocks=64", "--quantization=none", "--threads=1"]
     result = subprocess.run(
         yaie_command("generate", prompt, *flags),
         capture_output=True,
@@ -83,6 +93,7 @@ def test_generate_streams_a_completion(llm: LLM) -> None:
     )
     [expected] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))
     assert result.stdout == expected.outputs[0].text + "\n"
+    assert "CPU threads: 1" in result.stderr
 
 
 @pytest.mark.slow

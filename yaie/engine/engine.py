@@ -145,6 +145,8 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_and_dtype(config.device, config.dtype)
+        if self.device.type == "cpu":
+            logger.info("CPU threads: %d", torch.get_num_threads())
         target_model = TargetModel(resolve_model_path(config.model), config.quantization, self.device)
         if spec_config is not None:  # what the method needs of the target, checked before it loads
             PROPOSERS[spec_config.method].check_target(spec_config, target_model)
