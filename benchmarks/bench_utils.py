@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -79,6 +80,13 @@ def run_undisturbed(
         discarded.append(busy)
         if on_retry is not None:
             on_retry(busy)
+
+
+def child_result(command: list[str]) -> Any:
+    """Run `command` (a benchmark's case, in a fresh process: OpenMP's thread pools live as long
+    as the process), which prints its result as JSON on its last line of output; return it."""
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def machine_info() -> dict[str, Any]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from bench_utils import (
     add_disturbance_args,
     add_quantization_arg,
+    child_result,
     machine_info,
     make_console,
     run_undisturbed,
@@ -73,12 +74,12 @@ def run_child(threads: int, busy: bool, args: argparse.Namespace) -> dict[str, l
     cores = sorted(os.sched_getaffinity(0))
     loop = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(cores[-1])]) if busy else None
     try:
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        result: dict[str, list[float]] = child_result(command)
     finally:
         if loop is not None:
             loop.kill()
             loop.wait()
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def main() -> int:

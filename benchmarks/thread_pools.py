@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Any
 from bench_utils import (
     add_disturbance_args,
     add_quantization_arg,
+    child_result,
     machine_info,
     make_console,
     run_undisturbed,
@@ -83,8 +83,8 @@ def run_child(case: str, args: argparse.Namespace) -> list[float]:
         "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
         "--quantization", args.quantization,
     ]  # fmt: skip
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    times: list[float] = child_result(command)
+    return times
 
 
 def main() -> int:
