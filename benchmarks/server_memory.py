@@ -132,9 +132,6 @@ def main() -> None:
             f"  {part['part']:36} RSS {part['rss_bytes'] / mib:6.1f} MiB "
             f"({part['anonymous_bytes'] / mib:.1f} anonymous)"
         )
-    report: dict[str, Any] = {
-        "args": sys.argv[1:], "machine": machine_info(), "results": rows, "parts": parts
-    }
     # The least each server could be: the bare process that has all a server needs but its
     # weights and pool, plus the weights. Their ratio is the least RSS less the pool can reach.
     bare = parts[-1]["rss_bytes"]
@@ -146,7 +143,9 @@ def main() -> None:
             f"({row['least_ratio']:.2f}x)"
         )
     if args.out:
+        report = {"args": sys.argv[1:], "machine": machine_info(), "results": rows, "parts": parts}
         write_report(args.out, report, console)
+
 
 if __name__ == "__main__":
     main()
