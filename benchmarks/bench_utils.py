@@ -18,12 +18,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from rich.console import Console
 
 from yaie.config import QUANTIZATIONS, EngineConfig
+
+if TYPE_CHECKING:
+    from yaie import LLM
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,22 @@ def child_result(command: list[str]) -> Any:
     as the process), which prints its result as JSON on its last line of output; return it."""
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def decode_ms_per_step(llm: LLM, batch_size: int, max_tokens: int, repeats: int) -> list[float]:
+    """ms per decode step of each of `repeats` generations of a batch of short prompts (greedy,
+    EOS ignored, after a warm-up): a generation's wall time over `max_tokens`."""
+    from yaie import SamplingParams
+
+    prompts = [f"Tell me a story about the number {i}." for i in range(batch_size)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        times.append((time.perf_counter() - start) / max_tokens * 1e3)
+    return times
 
 
 def machine_info() -> dict[str, Any]:

@@ -25,13 +25,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench_utils import (
     add_disturbance_args,
     add_quantization_arg,
     child_result,
+    decode_ms_per_step,
     machine_info,
     make_console,
     run_undisturbed,
@@ -45,20 +45,10 @@ BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile 
 def measure(threads: int, batch_sizes: list[int], max_tokens: int, repeats: int,
             quantization: str) -> dict[str, list[float]]:
     """Runs inside the child process: ms per decode step of each repeat, per batch size."""
-    from yaie import LLM, SamplingParams
+    from yaie import LLM
 
     llm = LLM(quantization=quantization, num_threads=threads)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    times: dict[str, list[float]] = {}
-    for batch_size in batch_sizes:
-        prompts = [f"Tell me a story about the number {i}." for i in range(batch_size)]
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-        times[str(batch_size)] = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            times[str(batch_size)].append((time.perf_counter() - start) / max_tokens * 1e3)
-    return times
+    return {str(b): decode_ms_per_step(llm, b, max_tokens, repeats) for b in batch_sizes}
 
 
 def plural(threads: int) -> str:

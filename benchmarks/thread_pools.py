@@ -22,7 +22,6 @@ import json
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from bench_utils import (
     add_disturbance_args,
     add_quantization_arg,
     child_result,
+    decode_ms_per_step,
     machine_info,
     make_console,
     run_undisturbed,
@@ -42,24 +42,15 @@ CASES = ("main", "same-thread", "cross-thread")
 
 def measure_case(case: str, batch_size: int, max_tokens: int, repeats: int, quantization: str) -> list[float]:
     """Runs inside the child process: ms per decode step of each repeat."""
-    from yaie import LLM, SamplingParams
+    from yaie import LLM
 
-    prompts = [f"Tell me a story about the number {i}." for i in range(batch_size)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     holder: dict[str, Any] = {}
 
     def load() -> None:
         holder["llm"] = LLM(quantization=quantization)
 
     def run() -> None:
-        llm = holder["llm"]
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            times.append((time.perf_counter() - start) / max_tokens * 1e3)
-        holder["times"] = times
+        holder["times"] = decode_ms_per_step(holder["llm"], batch_size, max_tokens, repeats)
 
     def on_worker(fn: Any) -> None:
         thread = threading.Thread(target=fn)
