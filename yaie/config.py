@@ -11,6 +11,10 @@ QUANTIZATIONS = ("none", "auto", "int8", "int4")
 # computing in float32 (yaie.engine.engine.resolve_kv_cache_dtype). A 16-bit cache holds twice
 # the tokens in the same memory; attention still computes in the compute dtype.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Where a request's omitted sampling parameters come from (vLLM's --generation-config): auto,
+# the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+# max_new_tokens); vllm, the API's own defaults (temperature 1.0 ...), ignoring the model's.
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 @dataclass
@@ -33,6 +37,7 @@ class EngineConfig:
     # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 4};
     # see yaie.spec.config.SpeculativeConfig. None: off.
     speculative_config: dict[str, Any] | None = None
+    generation_config: str = "auto"  # one of GENERATION_CONFIGS
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -47,3 +52,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             choices = ", ".join(KV_CACHE_DTYPES)
             raise ValueError(f"kv_cache_dtype must be one of {choices}; got {self.kv_cache_dtype!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            choices = ", ".join(GENERATION_CONFIGS)
+            raise ValueError(f"generation_config must be one of {choices}; got {self.generation_config!r}")
