@@ -6,6 +6,7 @@ textbook attention. Every path that touches the cache runs with each KV cache dt
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from yaie.model.attention import (
     paged_attention,
 )
 from yaie.model.llama import RotaryEmbedding, rope_inv_freq
-from yaie.ops import kernels
+from yaie.ops import kernels, select_ops
 
 NUM_BLOCKS = 64
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -202,6 +203,15 @@ def test_every_backend_writes_the_same_tensors_in_place(path, request):
     expected = heads * cos + torch.cat((x2, x1), dim=-1) * sin
     assert ops.apply_rope_(heads, cos, sin) is None
     torch.testing.assert_close(heads, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+def test_the_chosen_backend_is_logged(path, request, caplog):
+    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
+    with caplog.at_level(logging.INFO, logger="yaie.ops"):
+        ops = select_ops(torch.device("cpu"))
+    assert [r.getMessage() for r in caplog.records] == [f"op backend: {ops.name}"]
+    assert ops.name.startswith("native (" if path == "native" else "torch")
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
