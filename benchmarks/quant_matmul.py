@@ -27,10 +27,12 @@ from bench_utils import background_cores, cpu_sample, machine_info, make_console
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from rich.table import Table
 
+from yaie.model.gguf_blocks import unpack_gguf
 from yaie.model.linear import DenseLinear
 from yaie.model.quantized_linear import QuantizedLinear
 from yaie.ops import NativeOps, select_ops
 from yaie.ops import quant_layout as quant
+from yaie.ops.quant_layout import pack_weight
 
 T = GGMLQuantizationType
 # name, K, N, type: SmolLM2-135M's linears with QKV and gate/up fused, as the GGUF stores them.
@@ -86,7 +88,8 @@ def main() -> int:
         table.add_column(column, justify="left" if column in ("weight", "type") else "right")
     rows = []
     for name, k, n, ggml_type in SHAPES:
-        layer = QuantizedLinear.from_gguf(random_blocks(ggml_type, n, k), ggml_type, n, k, ops=ops)
+        packed = pack_weight(unpack_gguf(random_blocks(ggml_type, n, k), ggml_type, n, k))
+        layer = QuantizedLinear(*packed, n, ops=ops)
         dense = DenseLinear(k, n)
         dense.weight.data = layer.dequantize().contiguous()
         dense.pack()

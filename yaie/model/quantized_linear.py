@@ -14,10 +14,8 @@ from typing import Literal
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
-from yaie.model.gguf_blocks import unpack_gguf
 from yaie.model.linear import Linear
 from yaie.ops import Ops
 from yaie.ops.quant_layout import BLOCK, Unpacked, dequantize_weight, pack_weight
@@ -49,13 +47,6 @@ class QuantizedLinear(Linear):
         self.register_buffer("mins", mins)
         self.register_buffer("bias", bias)
         self.register_buffer("in_order", in_order)
-
-    @classmethod
-    def from_gguf(cls, data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int, out_features: int,
-                  in_features: int, bias: torch.Tensor | None = None, *, ops: Ops) -> QuantizedLinear:
-        """A GGUF tensor's raw blocks, [out_features, in_features] in GGUF's own block format."""
-        unpacked = unpack_gguf(data, ggml_type, out_features, in_features)
-        return cls(*pack_weight(unpacked), out_features, bias, GGMLQuantizationType(ggml_type).name, ops=ops)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, scheme: Literal["int8", "int4"], group_size: int = 32,
