@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from e2e_helpers import MODEL, Server
+
+from tests.e2e.e2e_helpers import MODEL, Server
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import subprocess
 import openai
 import pexpect
 import pytest
-from e2e_helpers import MODEL, Server, clean_env, yaie_command
 
+from tests.e2e.e2e_helpers import MODEL, Server, clean_env, yaie_command
 from yaie import LLM, SamplingParams
 from yaie.cli import build_parser, parse_bytes
 

@@ -6,8 +6,8 @@ import asyncio
 
 import openai
 import pytest
-from e2e_helpers import MODEL, Server
 
+from tests.e2e.e2e_helpers import MODEL, Server
 from yaie import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
