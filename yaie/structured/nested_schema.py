@@ -5,12 +5,13 @@ several tools' calls one `anyOf`. References in a schema are JSON pointers from 
 its document: `#/$defs/Address` (pydantic's), `#/definitions/Address` (before draft 2019-09,
 still written by many generators), `#` (the schema itself, for a recursive one) or
 `#/properties/...`. Once the schema is nested, its root is no longer the document's, so those
-pointers would name places that do not exist. So, as vLLM does, the nested schema's
-definitions are hoisted to the root of the assembled schema, and (further than vLLM goes)
-every local reference is rewritten to point at the same place as before: into the hoisted
-definitions, or below the place the schema now sits at. The hoisted definitions are named
-after their schema's namespace (its tool's name), since the tools of one request often define
-the same names (two pydantic models that both nest an `Address`).
+pointers would name places that do not exist. Pointing them below the schema's new place is
+not enough for its definitions: llguidance finds `$defs` only at the root. So, as vLLM does,
+the nested schema's definitions are hoisted to the root of the assembled schema, and (further
+than vLLM goes) every local reference is rewritten to point at the same place as before: into
+the hoisted definitions, or below the place the schema now sits at. The hoisted definitions
+are named after their schema's namespace (its tool's name), since the tools of one request
+often define the same names (two pydantic models that both nest an `Address`).
 """
 
 from __future__ import annotations
