@@ -9,7 +9,7 @@ from typing import Any
 
 import openai
 import pytest
-from e2e_helpers import MODEL
+from tests.e2e.e2e_helpers import MODEL
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionNamedToolChoiceParam
 from pydantic import BaseModel, Field
 
