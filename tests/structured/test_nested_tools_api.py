@@ -9,9 +9,10 @@ from typing import Any
 
 import openai
 import pytest
-from tests.e2e.e2e_helpers import MODEL
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionNamedToolChoiceParam
 from pydantic import BaseModel, Field
+
+from tests.e2e.e2e_helpers import MODEL
 
 pytestmark = pytest.mark.slow
 
