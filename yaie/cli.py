@@ -496,7 +496,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from yaie import bench
+    from yaie_bench import cli as bench_cli
+    from yaie_bench.cost_fit import fit_cost_model, fit_front_end
+    from yaie_bench.launcher import yaie_server
 
     if args.fit_cost_model:
         serve = build_parser().parse_args(["serve", *args.serve_args])
@@ -507,22 +509,22 @@ def run_bench(args: argparse.Namespace) -> int:
             block_size=serve.block_size,
             enable_prefix_caching=not serve.no_prefix_caching,
         )
-        cost, error = bench.fit_cost_model(config)
+        cost, error = fit_cost_model(config)
         console.print(f"engine: {cost.describe()} (median step error {error:.1%})")
         quiet = [*args.serve_args, "--log-level", "warning"]
-        with bench.yaie_server(quiet) as (_, base_url):  # the same engine, behind the real front end
-            cost = bench.fit_front_end(base_url, cost, console)
+        with yaie_server(quiet) as (_, base_url):  # the same engine, behind the real front end
+            cost = fit_front_end(base_url, cost, console)
         cost.save(Path(args.fit_cost_model))
         console.print(f"with the front end: {cost.describe()}; wrote {args.fit_cost_model}")
         return 0
 
-    with bench.yaie_server([*args.serve_args, "--log-level", "warning"]) as (_, base_url):
+    with yaie_server([*args.serve_args, "--log-level", "warning"]) as (_, base_url):
         bench_argv = ["--base-url", base_url, "--concurrency", args.concurrency, "--label", "yaie"]
         bench_argv += ["--num-requests", args.num_requests, "--prompt-set", args.prompt_set]
         bench_argv += ["--max-tokens", args.max_tokens, "--ignore-eos"]
         if args.out:
             bench_argv += ["--out", args.out]
-        return bench.main(bench_argv)
+        return bench_cli.main(bench_argv)
 
 
 # -- plan -------------------------------------------------------------------------------------
