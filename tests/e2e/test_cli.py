@@ -12,7 +12,10 @@ import pytest
 from e2e_helpers import MODEL, Server, clean_env, yaie_command
 
 from yaie import LLM, SamplingParams
-from yaie.cli import build_parser, parse_bytes
+from yaie.cli import build_parser
+from yaie.cli.engine_args import engine_config
+from yaie.cli.options import parse_bytes
+from yaie.config import EngineConfig
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 QUESTION = "What is the capital of France?"
@@ -67,6 +70,34 @@ def test_kv_cache_dtype_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_parser().parse_args(["serve"]).kv_cache_dtype == "float16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--kv-cache-dtype", "fp8"])
+
+
+def test_generation_config_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_config(build_parser().parse_args(["serve"])).generation_config == "auto"
+    args = build_parser().parse_args(["generate", "hi", "--generation-config", "vllm"])
+    assert engine_config(args).generation_config == "vllm"
+    monkeypatch.setenv("YAIE_GENERATION_CONFIG", "vllm")
+    assert engine_config(build_parser().parse_args(["serve"])).generation_config == "vllm"
+    assert engine_config(build_parser().parse_args(["chat"])).generation_config == "vllm"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--generation-config", "model"])
+
+
+def test_every_engine_option_reaches_the_engine_config() -> None:
+    argv = ["serve", "m.gguf", "--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "float16",
+            "--max-model-len", "512", "--num-kv-blocks", "9", "--kv-cache-memory", "1GiB", "--threads", "2",
+            "--speculative-config", '{"method": "ngram"}', "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "256", "--block-size", "32", "--no-prefix-caching"]  # fmt: skip
+    config = engine_config(build_parser().parse_args(argv))
+    model = (config.model, config.dtype, config.quantization, config.kv_cache_dtype)
+    assert model == ("m.gguf", "bfloat16", "int8", "float16")
+    assert (config.max_model_len, config.num_kv_blocks, config.kv_cache_memory) == (512, 9, 1 << 30)
+    assert (config.num_threads, config.speculative_config) == (2, {"method": "ngram"})
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (4, 256, 32)
+    assert config.enable_prefix_caching is False
+    # The same options, the same defaults, wherever an engine runs in this process.
+    for command in (["serve"], ["generate", "hi"], ["chat"]):
+        assert engine_config(build_parser().parse_args(command)) == EngineConfig()
 
 
 # That the engine then runs on that many threads: test_generate_streams_a_completion.
