@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 from rich.markup import escape
 
@@ -16,6 +17,9 @@ from yaie.cli.options import positive_int
 from yaie.cli.terminal import console
 from yaie.errors import InvalidRequestError, YaieError
 from yaie.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -62,10 +66,10 @@ class RemoteChat:
     def stream(self, messages: list[dict[str, str]], max_tokens: int, temperature: float) -> Iterator[str]:
         stream = self.client.chat.completions.create(
             model=self.name,
-            messages=messages,
+            messages=cast("list[ChatCompletionMessageParam]", messages),  # our dicts are these
             max_tokens=max_tokens,
             temperature=temperature,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
         )
         with stream:  # when stopped early, closing the connection aborts the request
             for chunk in stream:
