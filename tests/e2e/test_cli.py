@@ -14,8 +14,11 @@ from e2e_helpers import MODEL, Server, clean_env, yaie_command
 from yaie import LLM, SamplingParams
 from yaie.cli import build_parser
 from yaie.cli.engine_args import engine_config
+from yaie.cli.local_engine import stream_text
 from yaie.cli.options import parse_bytes
 from yaie.config import EngineConfig
+from yaie.errors import YaieError
+from yaie.outputs import CompletionOutput, RequestOutput
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 QUESTION = "What is the capital of France?"
@@ -98,6 +101,44 @@ def test_every_engine_option_reaches_the_engine_config() -> None:
     # The same options, the same defaults, wherever an engine runs in this process.
     for command in (["serve"], ["generate", "hi"], ["chat"]):
         assert engine_config(build_parser().parse_args(command)) == EngineConfig()
+
+
+class ScriptedEngine:
+    """Answers each step with the next of `steps` (lists of outputs) and records aborts."""
+
+    def __init__(self, steps: list[list[RequestOutput]]) -> None:
+        self.steps = iter(steps)
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id: None, prompt: str, params: SamplingParams) -> str:
+        return "r0"
+
+    def step(self) -> list[RequestOutput]:
+        return next(self.steps)
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return False
+
+
+def _output(text: str, finished: bool = False, error: str | None = None) -> RequestOutput:
+    outputs = [] if error else [CompletionOutput(0, text, [], "stop" if finished else None, delta_text=text)]
+    return RequestOutput("r0", "hi", [1], outputs, finished, error=error)
+
+
+def test_the_engine_loop_streams_one_request_to_its_end() -> None:
+    engine = ScriptedEngine([[], [_output("Par")], [_output("is", finished=True)], [_output("never")]])
+    assert list(stream_text(engine, "hi", SamplingParams())) == ["Par", "is"]  # type: ignore[arg-type]
+    assert engine.aborted == ["r0"]
+
+
+def test_a_request_the_engine_fails_ends_in_its_error() -> None:
+    engine = ScriptedEngine([[_output("Par")], [_output("", finished=True, error="the engine failed")]])
+    stream = stream_text(engine, "hi", SamplingParams())  # type: ignore[arg-type]
+    assert next(stream) == "Par"
+    with pytest.raises(YaieError, match="the engine failed"):
+        next(stream)
+    assert engine.aborted == ["r0"]
 
 
 # That the engine then runs on that many threads: test_generate_streams_a_completion.

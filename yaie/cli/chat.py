@@ -15,7 +15,7 @@ from yaie.cli.engine_args import add_engine_args
 from yaie.cli.local_engine import load_engine, stream_text
 from yaie.cli.options import positive_int
 from yaie.cli.terminal import console
-from yaie.errors import InvalidRequestError, YaieError
+from yaie.errors import YaieError
 from yaie.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and input history for input())
 
     backend: LocalChat | RemoteChat = RemoteChat(args) if args.url else LocalChat(args)
-    errors: tuple[type[Exception], ...] = (InvalidRequestError,)
+    errors: tuple[type[Exception], ...] = (YaieError,)  # a refused or failed request
     if isinstance(backend, RemoteChat):
         errors += (backend.openai.OpenAIError,)
     system = [{"role": "system", "content": args.system}] if args.system else []
