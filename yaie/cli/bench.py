@@ -19,7 +19,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "bench",
         help="start a yaie server with the given serve options and load-test it",
         description="Options not listed here (a model path, --max-num-seqs 32, --no-prefix-caching, ...) "
-        "go to `yaie serve`. The load generator is the one in benchmarks/serve_bench.py.",
+        "go to `yaie serve`. The load generator is yaie_bench's, which `python -m yaie_bench` (or "
+        "benchmarks/serve_bench.py) points at any OpenAI-compatible server on loopback.",
     )
     bench.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     bench.add_argument("--num-requests", default="32", help="requests per level")
