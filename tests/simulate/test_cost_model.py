@@ -123,9 +123,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_the_fit_steps_of_a_real_engine_tell_every_coefficient_apart(tiny_model: str) -> None:
-    from yaie.bench import time_steps
     from yaie.config import EngineConfig
     from yaie.engine.engine import Engine
+    from yaie_bench.cost_fit import time_steps
 
     shapes, seconds = time_steps(Engine(EngineConfig(model=tiny_model, kv_cache_memory=8 * 2**20)))
     assert len(shapes) == len(seconds) and min(seconds) > 0
