@@ -55,7 +55,9 @@ from bench_utils import (
 )  # benchmarks/ is the script's folder
 from rich.table import Table
 
-from yaie.bench import SHARED_PREFIX_QUESTIONS, percentile, records_text, yaie_server
+from yaie.simulate.report import percentile
+from yaie_bench.launcher import yaie_server
+from yaie_bench.prompts import SHARED_PREFIX_QUESTIONS, records_text
 
 MODEL_NAME = "smol"
 STARTUP_TIMEOUT_S = 300

@@ -33,11 +33,11 @@ import httpx
 import torch
 from bench_utils import machine_info, make_console, write_report
 
-from yaie.bench import yaie_server
 from yaie.config import QUANTIZATIONS, EngineConfig
 from yaie.engine.model_runner import ModelRunner
 from yaie.model.config import ModelConfig
 from yaie.model.loader import open_checkpoint, resolve_model_path
+from yaie_bench.launcher import yaie_server
 
 
 def parse_rollup(text: str) -> dict[str, int]:

@@ -23,9 +23,10 @@ from pathlib import Path
 import httpx
 from bench_utils import add_quantization_arg, machine_info, make_console, write_report
 
-from yaie.bench import counters_between, yaie_server
 from yaie.llm import LLM
 from yaie.sampling_params import SamplingParams
+from yaie_bench.counters import counters_between
+from yaie_bench.launcher import yaie_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 COUNTERS = ("engine_step_seconds", "engine_steps")

@@ -28,9 +28,10 @@ from bench_utils import add_quantization_arg  # benchmarks/ is the script's fold
 from rich.console import Console
 from rich.table import Table
 
-from yaie.bench import build_messages, int_list
 from yaie.model.loader import load_tokenizer, resolve_model_path
 from yaie.simulate import CostModel, EngineSettings, Request, Scenario, Traffic, simulate, summarize
+from yaie_bench.cli import int_list
+from yaie_bench.prompts import build_messages
 
 
 def yaie(*args: str) -> None:

@@ -32,7 +32,7 @@ import psutil
 from bench_utils import add_quantization_arg  # benchmarks/ is the script's folder
 from prometheus_client.parser import text_string_to_metric_families
 
-from yaie.bench import yaie_server
+from yaie_bench.launcher import yaie_server
 
 GRACE_S = 30.0  # for the requests under way when the time is up
 PROMPTS = ["Hello", "Once upon a time", "Write a haiku about the sea.", "List three colors."]

@@ -57,8 +57,10 @@ from typing import Any
 import httpx
 from bench_utils import add_quantization_arg, cpu_sample, machine_info, make_console, write_report
 
-from yaie.bench import BenchConfig, counters_between, yaie_server
 from yaie.engine.step_log import WATCH_LEASE_S
+from yaie_bench.counters import counters_between
+from yaie_bench.launcher import yaie_server
+from yaie_bench.load_generator import BenchConfig
 
 # The server's counters read at each window's edge (yaie/server/metrics.py): tokens handed to
 # requests, and the sums of the engine's steps.

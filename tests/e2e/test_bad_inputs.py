@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from e2e_helpers import MODEL, Server
+
+from tests.e2e.e2e_helpers import MODEL, Server
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ CASES = [
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
         "messages[0].content[0].type",
     ),
-    Case("missing model", CHAT, {"messages": HELLO}, "model"),
+    Case("model not a string", CHAT, chat(model=5), "model"),
     Case("unknown model", CHAT, chat(model="gpt-17"), "model", status=404),
     Case("max_tokens beyond the context", CHAT, chat(max_tokens=10**6), "max_tokens"),
     Case(

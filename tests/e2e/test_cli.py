@@ -9,10 +9,16 @@ import subprocess
 import openai
 import pexpect
 import pytest
-from e2e_helpers import MODEL, Server, clean_env, yaie_command
 
+from tests.e2e.e2e_helpers import MODEL, Server, clean_env, yaie_command
 from yaie import LLM, SamplingParams
-from yaie.cli import build_parser, parse_bytes
+from yaie.cli import build_parser
+from yaie.cli.engine_args import engine_config
+from yaie.cli.local_engine import stream_text
+from yaie.cli.options import parse_bytes
+from yaie.config import EngineConfig
+from yaie.errors import YaieError
+from yaie.outputs import CompletionOutput, RequestOutput
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 QUESTION = "What is the capital of France?"
@@ -67,6 +73,72 @@ def test_kv_cache_dtype_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_parser().parse_args(["serve"]).kv_cache_dtype == "float16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--kv-cache-dtype", "fp8"])
+
+
+def test_generation_config_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_config(build_parser().parse_args(["serve"])).generation_config == "auto"
+    args = build_parser().parse_args(["generate", "hi", "--generation-config", "vllm"])
+    assert engine_config(args).generation_config == "vllm"
+    monkeypatch.setenv("YAIE_GENERATION_CONFIG", "vllm")
+    assert engine_config(build_parser().parse_args(["serve"])).generation_config == "vllm"
+    assert engine_config(build_parser().parse_args(["chat"])).generation_config == "vllm"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--generation-config", "model"])
+
+
+def test_every_engine_option_reaches_the_engine_config() -> None:
+    argv = ["serve", "m.gguf", "--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "float16",
+            "--max-model-len", "512", "--num-kv-blocks", "9", "--kv-cache-memory", "1GiB", "--threads", "2",
+            "--speculative-config", '{"method": "ngram"}', "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "256", "--block-size", "32", "--no-prefix-caching"]  # fmt: skip
+    config = engine_config(build_parser().parse_args(argv))
+    model = (config.model, config.dtype, config.quantization, config.kv_cache_dtype)
+    assert model == ("m.gguf", "bfloat16", "int8", "float16")
+    assert (config.max_model_len, config.num_kv_blocks, config.kv_cache_memory) == (512, 9, 1 << 30)
+    assert (config.num_threads, config.speculative_config) == (2, {"method": "ngram"})
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (4, 256, 32)
+    assert config.enable_prefix_caching is False
+    # The same options, the same defaults, wherever an engine runs in this process.
+    for command in (["serve"], ["generate", "hi"], ["chat"]):
+        assert engine_config(build_parser().parse_args(command)) == EngineConfig()
+
+
+class ScriptedEngine:
+    """Answers each step with the next of `steps` (lists of outputs) and records aborts."""
+
+    def __init__(self, steps: list[list[RequestOutput]]) -> None:
+        self.steps = iter(steps)
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id: None, prompt: str, params: SamplingParams) -> str:
+        return "r0"
+
+    def step(self) -> list[RequestOutput]:
+        return next(self.steps)
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return False
+
+
+def _output(text: str, finished: bool = False, error: str | None = None) -> RequestOutput:
+    outputs = [] if error else [CompletionOutput(0, text, [], "stop" if finished else None, delta_text=text)]
+    return RequestOutput("r0", "hi", [1], outputs, finished, error=error)
+
+
+def test_the_engine_loop_streams_one_request_to_its_end() -> None:
+    engine = ScriptedEngine([[], [_output("Par")], [_output("is", finished=True)], [_output("never")]])
+    assert list(stream_text(engine, "hi", SamplingParams())) == ["Par", "is"]  # type: ignore[arg-type]
+    assert engine.aborted == ["r0"]
+
+
+def test_a_request_the_engine_fails_ends_in_its_error() -> None:
+    engine = ScriptedEngine([[_output("Par")], [_output("", finished=True, error="the engine failed")]])
+    stream = stream_text(engine, "hi", SamplingParams())  # type: ignore[arg-type]
+    assert next(stream) == "Par"
+    with pytest.raises(YaieError, match="the engine failed"):
+        next(stream)
+    assert engine.aborted == ["r0"]
 
 
 # That the engine then runs on that many threads: test_generate_streams_a_completion.

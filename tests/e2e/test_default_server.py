@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from e2e_helpers import MODEL, Server, start_server
+
+from tests.e2e.e2e_helpers import MODEL, Server, start_server
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import MODEL, Server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.e2e.e2e_helpers import MODEL, Server
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import MODEL, Server, start_server
+
+from tests.e2e.e2e_helpers import MODEL, Server, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2e_helpers import MODEL, Server
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.e2e_helpers import MODEL, Server
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import asyncio
 
 import openai
 import pytest
-from e2e_helpers import MODEL, Server
 
+from tests.e2e.e2e_helpers import MODEL, Server
 from yaie import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -47,6 +47,23 @@ def test_chat_response_shape(server: Server) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert 0 < usage["completion_tokens"] <= 8
     assert isinstance(usage["prompt_tokens_details"]["cached_tokens"], int)
+
+
+def test_requests_without_model_get_the_served_model(server: Server) -> None:
+    """As vLLM and llama.cpp: a server has one model, which a request need not name."""
+    chat = {"messages": QUESTION, "max_tokens": 8, "temperature": 0}
+    text = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    with server.http() as http:
+        for path, body, content in (
+            ("/v1/chat/completions", chat, lambda choice: choice["message"]["content"]),
+            ("/v1/completions", text, lambda choice: choice["text"]),
+        ):
+            unnamed = http.post(path, json=body)
+            named = http.post(path, json={"model": MODEL, **body})
+            assert unnamed.status_code == named.status_code == 200, unnamed.text
+            assert unnamed.json()["model"] == MODEL
+            assert content(unnamed.json()["choices"][0]) == content(named.json()["choices"][0])
+        assert http.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
 
 
 def test_greedy_chat_matches_llm(client: openai.OpenAI, llm: LLM) -> None:

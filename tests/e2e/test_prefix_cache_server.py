@@ -12,9 +12,10 @@ from typing import Any
 
 import openai
 import pytest
-from e2e_helpers import MODEL, Server, start_server
 from openai.types import CompletionUsage
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.e2e_helpers import MODEL, Server, start_server
 
 pytestmark = pytest.mark.slow
 

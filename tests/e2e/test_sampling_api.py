@@ -11,8 +11,8 @@ from typing import Any
 
 import openai
 import pytest
-from e2e_helpers import MODEL, Server
 
+from tests.e2e.e2e_helpers import MODEL, Server
 from yaie import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from e2e_helpers import MODEL, Server, start_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.e2e_helpers import MODEL, Server, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from e2e_helpers import MODEL, Server, start_server
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from tests.e2e.e2e_helpers import MODEL, Server, start_server
 from yaie.engine.snapshot import SCHEMA_VERSION
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Checks shared by the engine tests (a module, not conftest: tests/e2e has a conftest too)."""
+"""Checks shared by the engine and speculation tests."""
 
 from __future__ import annotations
 

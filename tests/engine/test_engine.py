@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_no_leak
 
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, InvalidRequestError, ModelLoadError, SamplingParams, UnsupportedModelError
 from yaie.cache.radix_cache import RadixCache
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from engine_helpers import assert_no_leak
 
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.outputs import RequestOutput
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak
 
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.config import EngineConfig
 from yaie.engine.engine import resolve_kv_cache_dtype

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak
 
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.engine.engine import Engine
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine_helpers import assert_no_leak
 
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.engine.snapshot import LABEL_TOKENS, EngineSnapshots
 

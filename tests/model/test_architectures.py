@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, make_tiny_model
 
+from tests.model.tiny_models import ARCHITECTURES, make_tiny_model
 from yaie.cache.block_pool import BlockPool
 from yaie.engine.model_runner import ModelRunner
 from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_writer import Q
-from test_quant_kernels import isa  # noqa: F401 (a fixture)
-from test_quantized_model import llama, qwen2, vocab, write  # noqa: F401 (fixtures)
-from tiny_models import make_tiny_model
 
+from tests.model.gguf_writer import Q
+from tests.model.test_quant_kernels import isa  # noqa: F401 (a fixture)
+from tests.model.test_quantized_model import llama, qwen2, vocab, write  # noqa: F401 (fixtures)
+from tests.model.tiny_models import make_tiny_model
 from yaie.llm import LLM
 from yaie.model.fused_decode import FusedDecode
 from yaie.sampling_params import SamplingParams

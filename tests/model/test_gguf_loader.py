@@ -17,15 +17,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter
-from gguf_writer import (
-    Q,
-    byte_level_vocab,
-    gguf_tensor_name,
-    llama_cpp_permute,
-    reference_dequantize,
-    write_gguf,
-)
-from tiny_models import randomize
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -38,6 +29,15 @@ from transformers import (
 )
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from tests.model.gguf_writer import (
+    Q,
+    byte_level_vocab,
+    gguf_tensor_name,
+    llama_cpp_permute,
+    reference_dequantize,
+    write_gguf,
+)
+from tests.model.tiny_models import randomize
 from yaie.errors import ModelLoadError, UnsupportedModelError
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.loader import load_model

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_quantized_model import (
+
+from tests.model.test_quantized_model import (
     CPU,
     LINEARS,
     NUM_LAYERS,
@@ -33,8 +34,7 @@ from test_quantized_model import (
     load,
     logits,
 )
-from tiny_models import make_tiny_model
-
+from tests.model.tiny_models import make_tiny_model
 from yaie.errors import ModelLoadError, UnsupportedModelError
 from yaie.model.linear import DenseLinear
 from yaie.model.loader_hf import HFCheckpoint

@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
-from gguf_writer import Q, byte_level_vocab, gguf_tensor_name, write_gguf
-from test_quant_kernels import quantized_activations
-from tiny_models import make_tiny_model, randomize
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from tests.model.gguf_writer import Q, byte_level_vocab, gguf_tensor_name, write_gguf
+from tests.model.test_quant_kernels import quantized_activations
+from tests.model.tiny_models import make_tiny_model, randomize
 from yaie.config import EngineConfig
 from yaie.errors import ModelLoadError, UnsupportedModelError
 from yaie.llm import LLM

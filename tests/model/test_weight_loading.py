@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_models import make_tiny_model
 
+from tests.model.tiny_models import make_tiny_model
 from yaie.model.config import ModelConfig
 from yaie.model.llama import CausalLM
 from yaie.model.loader import load_model, load_weights, our_name, shard_rows

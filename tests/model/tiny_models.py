@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 
 import torch
-from gguf_writer import END_OF_TEXT, byte_level_vocab
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -20,6 +19,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from tests.model.gguf_writer import END_OF_TEXT, byte_level_vocab
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -5,7 +5,6 @@ records and on a real (tiny) engine and server."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,8 +14,6 @@ import pytest
 from yaie.engine.step_shape import StepTotals
 from yaie.simulate import CostModel, ServedLevel, StepShape
 from yaie.simulate.cost_model import COEFFICIENTS, step_features
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
 TRUTH = CostModel(
     fixed_s=0.02, prefill_step_s=0.03, per_prefill_token_s=1e-4, per_decode_token_s=6e-4,
@@ -118,7 +115,7 @@ def test_a_file_missing_a_coefficient_says_what_a_cost_model_needs() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tiny_models import make_tiny_model
+    from tests.model.tiny_models import make_tiny_model
 
     path = tmp_path_factory.mktemp("tiny")
     make_tiny_model("llama", path, seed=0)
@@ -126,9 +123,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_the_fit_steps_of_a_real_engine_tell_every_coefficient_apart(tiny_model: str) -> None:
-    from yaie.bench import time_steps
     from yaie.config import EngineConfig
     from yaie.engine.engine import Engine
+    from yaie_bench.cost_fit import time_steps
 
     shapes, seconds = time_steps(Engine(EngineConfig(model=tiny_model, kv_cache_memory=8 * 2**20)))
     assert len(shapes) == len(seconds) and min(seconds) > 0
@@ -165,6 +162,7 @@ def test_the_engine_sums_the_shapes_and_times_of_its_steps(tiny_model: str) -> N
     assert totals.busy_s > 0.0
 
 
+@pytest.mark.slow  # load-tests a server of the tiny model
 def test_yaie_bench_fit_cost_model_writes_a_model_simulate_loads(tiny_model: str, tmp_path: Path) -> None:
     from yaie.cli import main
 

@@ -1,15 +1,9 @@
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-
-from gguf_writer import Q, byte_level_vocab, write_gguf
-from tiny_models import make_tiny_model
+from tests.model.gguf_writer import Q, byte_level_vocab, write_gguf
+from tests.model.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_helpers import assert_no_leak
 
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.model.loader import bundled_model_path
 

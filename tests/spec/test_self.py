@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak
 
 import yaie.spec.decoder as decoder_module
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.cli import main
 from yaie.model.quantization import weight_types

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_helpers import assert_no_leak
 
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.spec.proposers import MAX_CATCH_UP_TOKENS, DraftModelProposer
 

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from engine_helpers import assert_no_leak
 
 import yaie.spec.decoder as decoder_module
+from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.outputs import RequestOutput
 

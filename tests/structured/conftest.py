@@ -1,19 +1,15 @@
-"""Fixtures: one real server for the structured-output tests, and the test schemas."""
+"""Fixtures: a client of the shared server for the structured-output tests, and the test schemas."""
 
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-# The e2e tests' helpers start and stop real servers; these tests use them too.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
-from e2e_helpers import Server, start_server
+from tests.e2e.e2e_helpers import Server
 
 SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas.json"
 
@@ -26,13 +22,7 @@ def schemas() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def structured_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("structured"))
-    yield server
-    assert server.stop() == 0, server.log()
-    assert "Traceback" not in server.log()  # every bad request was answered, none crashed
-
-
-@pytest.fixture(scope="session")
-def sclient(structured_server: Server) -> openai.OpenAI:
-    return structured_server.client(timeout=600)
+def sclient(server: Server) -> openai.OpenAI:
+    """A client of the shared server (tests/conftest.py) that waits as long as a grammar takes to
+    compile on a busy machine."""
+    return server.client(timeout=600)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,14 +18,12 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
+from tests.model.tiny_models import CHAT_TEMPLATE, make_tiny_model
 from yaie import LLM
 from yaie.engine.async_engine import AsyncEngine
 from yaie.server.app import build_app
 from yaie.structured import tool_formats
 from yaie.structured.llama3_tools import Llama3ToolCallParser
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from tiny_models import CHAT_TEMPLATE, make_tiny_model
 
 # Llama-3.1's way, shortened: tools as JSON in a system turn with the format to answer in, a
 # call as bare JSON with "parameters", a tool result as an "ipython" turn.

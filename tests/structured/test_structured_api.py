@@ -14,7 +14,8 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from e2e_helpers import MODEL, Server
+
+from tests.e2e.e2e_helpers import MODEL, Server
 
 pytestmark = pytest.mark.slow
 
@@ -208,11 +209,11 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
     ],
 )
 def test_invalid_constraints_are_400s(
-    structured_server: Server, path: str, body: dict[str, Any], param: str
+    server: Server, path: str, body: dict[str, Any], param: str
 ) -> None:
     base: dict[str, Any] = {"model": MODEL, "max_tokens": 4}
     base |= {"messages": PLAIN[0]} if "chat" in path else {"prompt": "Hello"}
-    with structured_server.http() as http:
+    with server.http() as http:
         response = http.post(path, json=base | body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

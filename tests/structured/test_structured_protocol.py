@@ -9,12 +9,8 @@ import pytest
 
 from yaie.errors import InvalidRequestError
 from yaie.server.protocol import (
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionRequest,
-    Usage,
-    join_chat_chunks,
 )
 from yaie.structured.spec import StructuredOutputs
 
@@ -74,40 +70,3 @@ def test_errors_of_compiling_name_the_field_the_constraint_came_from() -> None:
     assert chat(response_format={"type": "json_object"}).translate_error(error).param == "response_format"
     assert chat(structured_outputs={"regex": "a"}).translate_error(error).param == "structured_outputs"
     assert chat(tools=[TOOL], tool_choice="required").translate_error(error).param == "tools"
-
-
-def test_tool_call_deltas_join_into_calls_with_null_content() -> None:
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(id="c", created=0, model="m", choices=[choice])
-
-    def call(index: int, name: str, arguments: str) -> list[ChatCompletionChunk]:
-        first = {
-            "index": index,
-            "id": f"call_{index}",
-            "type": "function",
-            "function": {"name": name, "arguments": ""},
-        }
-        return [
-            chunk({"tool_calls": [first]}),
-            chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[:3]}}]}),
-            chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[3:]}}]}),
-        ]
-
-    chunks = [
-        chunk({"role": "assistant", "content": ""}),
-        chunk({"content": "\n"}),
-        *call(0, "f", '{"a": 1}'),
-        *call(1, "g", "{}"),
-        chunk({}, "tool_calls"),
-        ChatCompletionChunk(id="c", created=0, model="m", choices=[], usage=Usage.of(1, 2, 0)),
-    ]
-    [choice] = join_chat_chunks(chunks).choices
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert choice.message.tool_calls is not None
-    assert [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
-        ("call_0", "f", '{"a": 1}'),
-        ("call_1", "g", "{}"),
-    ]
-    plain = join_chat_chunks([chunk({"content": "hi"}), chunks[-1]]).choices[0].message
-    assert plain.content == "hi" and plain.tool_calls is None

@@ -10,7 +10,8 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from e2e_helpers import MODEL, Server
+
+from tests.e2e.e2e_helpers import MODEL, Server
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +95,7 @@ def test_required_and_named_calls_are_valid_and_stream_the_same(
     ]
 
 
-def test_two_turns_with_a_tool_result(sclient: openai.OpenAI, structured_server: Server) -> None:
+def test_two_turns_with_a_tool_result(sclient: openai.OpenAI, server: Server) -> None:
     first = (
         create(
             sclient,
@@ -115,7 +116,7 @@ def test_two_turns_with_a_tool_result(sclient: openai.OpenAI, structured_server:
     assert second.choices[0].message.tool_calls is None
     assert second.choices[0].message.content
     # The call and its result went through the template: the prompt holds both.
-    with structured_server.http() as http:
+    with server.http() as http:
         body = {"model": MODEL, "messages": conversation}
         tokens = http.post("/tokenize", json=body).json()["tokens"]
         text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
@@ -155,9 +156,9 @@ def test_auto_parses_calls_or_gives_content(sclient: openai.OpenAI) -> None:
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ],
 )
-def test_bad_tools_are_400s(structured_server: Server, body: dict[str, Any], param: str) -> None:
+def test_bad_tools_are_400s(server: Server, body: dict[str, Any], param: str) -> None:
     request = {"model": MODEL, "messages": QUESTION, "max_tokens": 4} | body
-    with structured_server.http() as http:
+    with server.http() as http:
         response = http.post("/v1/chat/completions", json=request)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

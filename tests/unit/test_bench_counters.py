@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from yaie.bench import STEP_COUNTERS, LevelResult, counters_between, spec_counters
 from yaie.engine.engine import EngineStats
 from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.server.metrics import ServerMetrics
 from yaie.spec.decoder import SpecDecodeStats
+from yaie_bench.counters import STEP_COUNTERS, counters_between, spec_counters
+from yaie_bench.results import LevelResult
 
 
 def exposition(spec: SpecDecodeStats | None, steps: StepTotals | None = None) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -10,22 +12,20 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from yaie.errors import InvalidRequestError
-from yaie.outputs import TokenLogprob
+from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from yaie.server.chat_completions import ChatCompletion
+from yaie.server.completions import Completion
 from yaie.server.protocol import (
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    CompletionChoice,
+    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     TokenizeRequest,
     Usage,
     chat_logprobs,
     completion_logprobs,
     describe_validation_error,
-    join_chat_chunks,
-    join_completion_chunks,
 )
+from yaie.structured.tool_formats import HERMES
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
@@ -72,7 +72,7 @@ def test_numbers_are_not_coerced_from_strings_or_bools() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": HELLO}, "model"),
+        ({"model": 5, "messages": HELLO}, "model"),
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": "Hello"}, "messages"),
         ({"model": "m", "messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
@@ -92,6 +92,12 @@ def test_validation_errors_name_the_field(body: dict[str, Any], param: str) -> N
     error = validation_error(ChatCompletionRequest, body)
     assert error.param == param
     assert error.message.startswith(f"{param}: ")
+
+
+def test_model_may_be_left_out() -> None:
+    """The server serves its one model to a request without "model", as vLLM and llama.cpp."""
+    assert ChatCompletionRequest.model_validate({"messages": HELLO}).model is None
+    assert CompletionRequest.model_validate({"prompt": "Hi"}).model is None
 
 
 def test_missing_field_message() -> None:
@@ -210,6 +216,23 @@ def test_defaults_follow_openai() -> None:
 def test_explicit_nulls_mean_defaults() -> None:
     params = chat(temperature=None, top_p=None, stop=None, seed=None, logit_bias=None).to_sampling_params()
     assert params.temperature == 1.0 and params.stop == [] and params.seed is None
+
+
+MODEL_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+
+
+def test_model_defaults_fill_the_fields_a_request_leaves_out() -> None:
+    params = chat().to_sampling_params(defaults=MODEL_DEFAULTS)
+    assert (params.temperature, params.top_p, params.top_k) == (0.2, 0.9, 20)
+    assert (params.min_p, params.repetition_penalty) == (0.05, 1.1)
+    request = chat(temperature=0.7, top_k=-1, repetition_penalty=1.0)
+    given = request.to_sampling_params(defaults=MODEL_DEFAULTS)
+    assert (given.temperature, given.top_k, given.repetition_penalty) == (0.7, -1, 1.0)  # the request's
+    assert (given.top_p, given.min_p) == (0.9, 0.05)  # the model's
+    null = chat(temperature=None).to_sampling_params(defaults=MODEL_DEFAULTS)
+    assert null.temperature == 0.2  # null means left out
+    text = completion(temperature=0).to_sampling_params(defaults=MODEL_DEFAULTS)
+    assert text.greedy and text.top_p == 0.9
 
 
 def test_every_sampling_field_is_mapped() -> None:
@@ -413,85 +436,85 @@ def test_usage_totals() -> None:
     }
 
 
-# -- joining a stream's chunks ----------------------------------------------------------------
+# -- whole responses from the finished outputs --------------------------------------------
 
 USAGE = Usage.of(prompt_tokens=3, completion_tokens=4, cached_tokens=0)
 
 
-def chat_chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-    return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=choices, usage=usage)
+def finished(choices: list[CompletionOutput], prompt_logprobs: Any = None) -> RequestOutput:
+    return RequestOutput("r", None, [1, 2], choices, finished=True, prompt_logprobs=prompt_logprobs)
 
 
-def test_chat_chunks_join_into_the_whole_response() -> None:
+def chat_response(body: ChatCompletionRequest, final: RequestOutput) -> ChatCompletionResponse:
+    return ChatCompletion("chatcmpl-1", "m", body, HERMES, decode).response([final], USAGE)
+
+
+def test_chat_response_from_the_finished_output() -> None:
     logprob = {token_id: TokenLogprob(token_id, -0.5 * token_id) for token_id in (1, 2, 4)}
-
-    def content(index: int, token_id: int) -> ChatCompletionChunk:
-        logprobs = chat_logprobs([logprob[token_id]], decode)
-        delta = {"content": decode(token_id)}
-        return chat_chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
-
-    def finish(index: int, reason: str) -> ChatCompletionChunk:
-        return chat_chunk([ChatChunkChoice(index=index, delta={}, finish_reason=reason)])
-
-    roles = [ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in (0, 1)]
-    chunks = [
-        chat_chunk(roles),
-        content(1, 4),
-        content(0, 1),
-        finish(1, "length"),
-        content(0, 2),
-        finish(0, "stop"),
-        chat_chunk([], usage=USAGE),
-    ]
-    response = join_chat_chunks(chunks)
-    assert (response.id, response.created, response.model, response.usage) == ("chatcmpl-1", 7, "m", USAGE)
+    final = finished(
+        [  # in any order: the response lists them by index
+            CompletionOutput(1, "!", [4], "length", logprobs=[logprob[4]]),
+            CompletionOutput(0, "Hello", [1, 2], "stop", logprobs=[logprob[1], logprob[2]]),
+        ]
+    )
+    response = chat_response(chat(n=2, logprobs=True), final)
+    assert (response.id, response.model, response.usage) == ("chatcmpl-1", "m", USAGE)
     assert [choice.index for choice in response.choices] == [0, 1]
     first, second = response.choices
-    assert (first.message.content, first.finish_reason) == ("Hello", "stop")
+    assert (first.message.content, first.message.tool_calls, first.finish_reason) == ("Hello", None, "stop")
     assert first.logprobs == chat_logprobs([logprob[1], logprob[2]], decode)
     assert (second.message.content, second.finish_reason) == ("!", "length")
     assert second.logprobs == chat_logprobs([logprob[4]], decode)
 
+    [plain] = chat_response(chat(), finished([CompletionOutput(0, "Hi", [1], "stop")])).choices
+    assert (plain.message.content, plain.logprobs) == ("Hi", None)
 
-def test_chat_chunks_without_logprobs_join_without_them() -> None:
-    chunks = [
-        chat_chunk([ChatChunkChoice(index=0, delta={"role": "assistant", "content": ""})]),
-        chat_chunk([ChatChunkChoice(index=0, delta={"content": "Hi"})]),
-        chat_chunk([ChatChunkChoice(index=0, delta={}, finish_reason="stop")]),
-        chat_chunk([], usage=USAGE),
+
+def test_chat_response_splits_tool_calls_out_of_the_text() -> None:
+    tool = {"type": "function", "function": {"name": "f"}}
+    text = (
+        '\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+        '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    )
+    [choice] = chat_response(chat(tools=[tool]), finished([CompletionOutput(0, text, [1], "stop")])).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None  # calls alone
+    assert choice.message.tool_calls is not None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("f", {"a": 1}),
+        ("f", {}),
     ]
-    [choice] = join_chat_chunks(chunks).choices
-    assert (choice.message.content, choice.logprobs) == ("Hi", None)
+    # Without tools in the request, the same text is content.
+    [choice] = chat_response(chat(), finished([CompletionOutput(0, text, [1], "stop")])).choices
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
 
 
-def test_completion_chunks_join_into_the_whole_response() -> None:
-    """Streamed logprobs columns continue each other's text offsets, so joined they equal the
-    columns of the whole text."""
-    tokens = [(1, None), (2, TokenLogprob(2, -0.25, [(2, -0.25)])), (4, TokenLogprob(4, -2.0, []))]
-    head = completion_logprobs(tokens[:2], decode, 0)
-    tail = completion_logprobs(tokens[2:], decode, len("Hello"))
-
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id="cmpl-1", created=7, model="m", choices=choices, usage=usage)
-
-    chunks = [
-        chunk([CompletionChoice(index=1, text="Bye")]),
-        chunk([CompletionChoice(index=0, text="Hello", logprobs=head)]),
-        chunk([CompletionChoice(index=0, text="!", logprobs=tail)]),
-        chunk([CompletionChoice(index=1, text="", finish_reason="stop")]),
-        chunk([CompletionChoice(index=0, text="", finish_reason="length")]),
-        chunk([], usage=USAGE),
+def test_completion_response_from_the_finished_outputs() -> None:
+    """Each prompt's choices in order, prompt * n + index; with echo and logprobs the prompt's
+    tokens come first and the text offsets run through the whole text."""
+    first, last = TokenLogprob(2, -0.25, [(2, -0.25)]), TokenLogprob(4, -2.0, [])
+    outputs = [
+        finished([CompletionOutput(0, "!", [4], "length", logprobs=[last])], [None, first]),
+        finished([CompletionOutput(0, "lo", [2], "stop", logprobs=[first])], [None, first]),
     ]
-    response = join_completion_chunks(chunks)
-    assert (response.id, response.created, response.model, response.usage) == ("cmpl-1", 7, "m", USAGE)
-    first, second = response.choices
-    assert (first.index, first.text, first.finish_reason) == (0, "Hello!", "length")
-    assert first.logprobs == completion_logprobs(tokens, decode, 0)
-    assert (second.index, second.text, second.logprobs, second.finish_reason) == (1, "Bye", None, "stop")
 
+    async def decode_prompt(token_ids: list[int]) -> str:
+        return "".join(decode(token_id) for token_id in token_ids)
 
-def test_chunks_must_end_with_the_usage() -> None:
-    with pytest.raises(ValueError, match="usage"):
-        join_chat_chunks([chat_chunk([ChatChunkChoice(index=0, delta={"content": "Hi"})])])
-    with pytest.raises(ValueError, match="usage"):
-        join_completion_chunks([])
+    body = completion(prompt=[[1, 2], [1, 2]], echo=True, logprobs=0)
+    response = asyncio.run(
+        Completion("cmpl-1", "m", body, body.prompts(), decode_prompt, decode).response(outputs, USAGE)
+    )
+    assert (response.id, response.model, response.usage) == ("cmpl-1", "m", USAGE)
+    one, two = response.choices
+    assert (one.index, one.text, one.finish_reason) == (0, "Hello!", "length")
+    assert one.logprobs == completion_logprobs([(1, None), (2, first), (4, last)], decode, 0)
+    assert (two.index, two.text, two.finish_reason) == (1, "Hellolo", "stop")
+    assert two.logprobs == completion_logprobs([(1, None), (2, first), (2, first)], decode, 0)
+
+    plain = completion(prompt="Hel")
+    [choice] = asyncio.run(
+        Completion("cmpl-2", "m", plain, plain.prompts(), decode_prompt, decode).response(
+            [finished([CompletionOutput(0, "lo", [2], "stop")])], USAGE
+        )
+    ).choices
+    assert (choice.text, choice.logprobs) == ("lo", None)

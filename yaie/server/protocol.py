@@ -4,13 +4,17 @@ Requests ignore fields they do not know (clients send many we have no use for), 
 about the ones they do: a string where a number belongs is an error, as with OpenAI, not
 something to coerce. Range checks live in SamplingParams, except for limits only the API has
 (n, seed); `to_sampling_params` translates its errors back to the request's own field names.
+
+A sampling field a request leaves out (or sends as null) takes the model's default when the
+server has one (yaie/generation_config.py), else SamplingParams' own.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -25,6 +29,7 @@ from yaie.structured.tool_formats import HERMES, ToolFormat
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds, and the engine adds the choice index
+NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # a model without sampling defaults
 
 
 def _valid_unicode(text: str) -> str:
@@ -172,7 +177,7 @@ class NamedToolChoice(OpenAIModel):
 class SamplingRequest(OpenAIModel):
     """What chat and text completions share. None means "the default", as if left out."""
 
-    model: Text
+    model: Text | None = None  # None: the served model (there is only one), as vLLM and llama.cpp
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = None  # None: until the context is full
     temperature: float | None = None
@@ -238,6 +243,7 @@ class SamplingRequest(OpenAIModel):
 
     def _sampling_params(
         self,
+        defaults: Mapping[str, float | int],
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
@@ -245,7 +251,7 @@ class SamplingRequest(OpenAIModel):
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
-        given: dict[str, Any] = {  # SamplingParams' defaults stand for the fields left out
+        given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -257,6 +263,8 @@ class SamplingRequest(OpenAIModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
         }
+        # A field left out takes `defaults`' value, or else SamplingParams' default.
+        given = {name: defaults.get(name) if value is None else value for name, value in given.items()}
         try:
             return SamplingParams(
                 structured_outputs=structured_outputs or self._structured_outputs(),
@@ -302,14 +310,17 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: a required call is one call
 
-    def to_sampling_params(self, tool_format: ToolFormat = HERMES) -> SamplingParams:
+    def to_sampling_params(
+        self, tool_format: ToolFormat = HERMES, defaults: Mapping[str, float | int] = NO_DEFAULTS
+    ) -> SamplingParams:
         """`tool_format` is the model's (yaie/structured/tool_formats.py): the format a required
-        call is constrained to."""
+        call is constrained to. `defaults`: the model's, for sampling fields the request leaves out."""
         for index, message in enumerate(self.messages):
             message.check(index)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
         return self._sampling_params(
+            defaults,
             max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             structured_outputs=self._tool_call_grammar(tool_format),
@@ -369,14 +380,15 @@ class CompletionRequest(SamplingRequest):
     suffix: Text | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
+        """`defaults`: the model's, for sampling fields the request leaves out."""
         if self.suffix is not None:
             raise _unsupported("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "only best_of equal to n is supported")
         # Echoing the prompt with logprobs needs the prompt's logprobs too.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(defaults, self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: OpenAI accepts one prompt or a batch, as text or token ids."""
@@ -597,96 +609,6 @@ def completion_logprobs(
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
-
-
-# -- a stream's chunks, joined ----------------------------------------------------------------
-# The server builds every response as a stream of chunks; a response that is not streamed is
-# those chunks joined, so both kinds say exactly the same.
-
-
-def _usage_at_end(chunks: Sequence[ChatCompletionChunk] | Sequence[CompletionResponse]) -> Usage:
-    if not chunks or chunks[-1].usage is None:
-        raise ValueError("a response's chunks must end with one carrying the usage")
-    return chunks[-1].usage
-
-
-def join_chat_chunks(chunks: Sequence[ChatCompletionChunk]) -> ChatCompletionResponse:
-    """The whole chat completion that `chunks` stream: each choice's content and logprobs in
-    order, and its finish reason. The last chunk must carry the usage."""
-    usage = _usage_at_end(chunks)
-    texts: dict[int, list[str]] = {}
-    calls: dict[int, list[ToolCall]] = {}
-    logprobs: dict[int, list[ChatTokenLogprob]] = {}
-    finish_reasons: dict[int, str] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            texts.setdefault(choice.index, []).append(choice.delta.get("content", ""))
-            for delta in choice.delta.get("tool_calls", []):
-                _join_call(calls.setdefault(choice.index, []), delta)
-            if choice.logprobs is not None:
-                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content)
-            if choice.finish_reason is not None:
-                finish_reasons[choice.index] = choice.finish_reason
-    choices = [
-        ChatChoice(
-            index=index,
-            message=_message("".join(parts), calls.get(index)),
-            logprobs=ChatLogprobs(content=logprobs[index]) if index in logprobs else None,
-            finish_reason=finish_reasons.get(index),
-        )
-        for index, parts in sorted(texts.items())
-    ]
-    first = chunks[0]
-    return ChatCompletionResponse(
-        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
-    )
-
-
-def _join_call(calls: list[ToolCall], delta: dict[str, Any]) -> None:
-    """Add one tool_calls delta: a new call (with its id), or more of a call's arguments."""
-    function = delta.get("function", {})
-    if delta["index"] == len(calls):
-        calls.append(ToolCall(id=delta["id"], function=FunctionCall(name=function["name"], arguments="")))
-    calls[delta["index"]].function.arguments += function.get("arguments", "")
-
-
-def _message(content: str, calls: list[ToolCall] | None) -> AssistantMessage:
-    if not calls:
-        return AssistantMessage(content=content)
-    # As OpenAI: content is null for a turn of calls alone (the whitespace around them is no content).
-    return AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
-
-
-def join_completion_chunks(chunks: Sequence[CompletionResponse]) -> CompletionResponse:
-    """The whole text completion that `chunks` stream: each choice's text and logprobs columns
-    in order, and its finish reason. The last chunk must carry the usage."""
-    usage = _usage_at_end(chunks)
-    texts: dict[int, list[str]] = {}
-    logprobs: dict[int, CompletionLogprobs] = {}
-    finish_reasons: dict[int, str] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            texts.setdefault(choice.index, []).append(choice.text)
-            if choice.logprobs is not None:
-                empty = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-                joined = logprobs.setdefault(choice.index, empty)
-                for column in CompletionLogprobs.model_fields:
-                    getattr(joined, column).extend(getattr(choice.logprobs, column))
-            if choice.finish_reason is not None:
-                finish_reasons[choice.index] = choice.finish_reason
-    choices = [
-        CompletionChoice(
-            index=index,
-            text="".join(parts),
-            logprobs=logprobs.get(index),
-            finish_reason=finish_reasons.get(index),
-        )
-        for index, parts in sorted(texts.items())
-    ]
-    first = chunks[0]
-    return CompletionResponse(
-        id=first.id, created=first.created, model=first.model, choices=choices, usage=usage
-    )
 
 
 # -- validation errors ------------------------------------------------------------------------

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from yaie.bench import percentile  # the same percentile as the measured figures it is compared with
 from yaie.simulate.simulator import SimulationResult
+
+
+def percentile(values: list[float], pct: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default method); None for no values. The load
+    generator (yaie_bench) reports its measured figures with this one too, so that a simulation
+    and the measurement it is checked against are summarised alike."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * pct / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def summarize(result: SimulationResult) -> dict[str, Any]:

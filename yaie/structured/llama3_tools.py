@@ -37,10 +37,8 @@ def call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None) -> St
     """One bare JSON object that is a valid call of one of `tools` (of the one named `name`, if
     given), with its arguments as "parameters": what tool_choice "required" or a named function
     makes a Llama-3 model write."""
-    schemas = [
-        call_schema(tool, "parameters") for tool in tools if name is None or tool["function"]["name"] == name
-    ]
-    return StructuredOutputs(json=schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    chosen = [tool for tool in tools if name is None or tool["function"]["name"] == name]
+    return StructuredOutputs(json=call_schema(chosen, "parameters"))
 
 
 def parse_call(text: str, names: Collection[str], index: int) -> ToolCall | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from yaie.structured.backend import JSON_OPTIONS
+from yaie.structured.nested_schema import Definitions
 from yaie.structured.spec import StructuredOutputs
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -87,17 +88,29 @@ def _arguments(function: dict[str, Any]) -> Any:
     return arguments
 
 
-def call_schema(tool: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
-    """The JSON schema of one call of `tool` (an OpenAI tool definition), its arguments under
-    `arguments_key`."""
-    function = tool["function"]
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
-        "required": ["name", arguments_key],
-        "additionalProperties": False,
-    }
+def call_schema(tools: Sequence[dict[str, Any]], arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call of any of `tools` (OpenAI tool definitions), its arguments
+    under `arguments_key`. Each tool's parameters are nested in it, so their definitions go to
+    its root, named after their tool, and their references follow (nested_schema.py)."""
+    definitions = Definitions()
+    calls = []
+    for index, tool in enumerate(tools):
+        function = tool["function"]
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        place: list[str | int] = ["anyOf", index] if len(tools) > 1 else []
+        at = [*place, "properties", arguments_key]
+        calls.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function["name"]},
+                    arguments_key: definitions.nest(parameters, at, function["name"]),
+                },
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+        )
+    return definitions.attach(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
 
 def call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None) -> StructuredOutputs:
@@ -105,8 +118,7 @@ def call_grammar(tools: Sequence[dict[str, Any]], name: str | None = None) -> St
     named `name`, if given): what tool_choice "required" or a named function makes the model
     write."""
     chosen = [tool for tool in tools if name is None or tool["function"]["name"] == name]
-    schemas = [call_schema(tool) for tool in chosen]
-    schema = {**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "x-guidance": JSON_OPTIONS}
+    schema = {**call_schema(chosen), "x-guidance": JSON_OPTIONS}
     opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)  # as Lark string literals
     lark = f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}"
     return StructuredOutputs(grammar=lark)

@@ -1,0 +1,5 @@
+import sys
+
+from yaie.cli import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""`yaie serve`: the OpenAI-compatible API over HTTP, on an engine thread of its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+from rich.markup import escape
+
+from yaie.cli.engine_args import add_engine_args, engine_config
+from yaie.cli.options import EnvDefaults, parse_bytes, positive_int
+from yaie.cli.terminal import console, loading_bar
+from yaie.engine.async_engine import AsyncEngine
+from yaie.engine.engine import Engine
+from yaie.server.app import ServerLimits, build_app
+from yaie.server.connections import http_protocol
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API",
+        description="Every option can also be set from YAIE_* env.",
+    )
+    env = EnvDefaults(serve)
+    env.add("model", nargs="?", help="a .gguf file or HF directory (default: the bundled SmolLM2-135M)")
+    add_engine_args(serve)
+    env.add("--served-model-name", help="the model name clients use (default: the model's path or file stem)")
+    env.add("--api-key", help="require `Authorization: Bearer KEY` on the API")
+    env.add("--host", default="127.0.0.1")
+    env.add("--port", type=int, default=8000)
+    env.add("--log-level", default="info", choices=LOG_LEVELS)
+    env.add(
+        "--max-waiting",
+        type=positive_int,
+        default=512,
+        help="answer 429 when this many sequences already wait",
+    )
+    limits = ServerLimits()
+    env.add(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=str(limits.max_request_bytes),
+        help="answer 413 for a bigger request body, e.g. 8MiB",
+    )
+    env.add(
+        "--max-seqs-per-request",
+        type=positive_int,
+        default=limits.max_seqs_per_request,
+        help="most sequences (prompts x n) one request may run",
+    )
+    env.add(
+        "--default-max-tokens",
+        type=positive_int,
+        default=limits.default_max_tokens,
+        help="max_tokens of a request that leaves it out, cut to the context the prompt leaves "
+        "(vLLM's default is the whole rest of the context)",
+    )
+    env.add(
+        "--timeout-keep-alive",
+        type=positive_int,
+        default=5,
+        help="seconds an idle keep-alive connection is kept open",
+    )
+    env.add(
+        "--timeout-request-head",
+        type=positive_int,
+        default=30,
+        help="seconds a connection has to send a complete request line and headers (slowloris)",
+    )
+    serve.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    config = engine_config(args)
+    with loading_bar() as progress:
+        async_engine = AsyncEngine(lambda: Engine(config, load_progress=progress))
+    name = args.served_model_name or args.model or Path(async_engine.model_path).stem
+    limits = ServerLimits(
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        max_seqs_per_request=args.max_seqs_per_request,
+        default_max_tokens=args.default_max_tokens,
+    )
+    try:  # the model's generation_config.json is read here: a bad one stops the start
+        app = build_app(
+            async_engine, name, api_key=args.api_key, limits=limits,
+            generation_config_source=config.generation_config,
+        )  # fmt: skip
+    except BaseException:
+        async_engine.shutdown()
+        raise
+    server_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        # Closes a connection idle this long after a response; yaie/server/connections.py
+        # adds the deadline for a request's head that uvicorn lacks.
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=http_protocol(args.timeout_request_head),
+    )
+    Server(server_config, async_engine, name).run()
+    async_engine.shutdown()
+    return 0
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with our banner and our way of stopping."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, model_name: str) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.model_name = model_name
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # now listening; with --port 0 this is where the port becomes known
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            console.print(
+                f"[bold green]yaie[/] serving [bold]{escape(self.model_name)}[/] "
+                f"({escape(str(self.async_engine.model_path))}) at http://{host}:{port}/v1"
+            )
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn would re-raise the signal once shut down, ending the process with a traceback
+        # (SIGINT) or status -15 (SIGTERM); a requested stop is a clean exit for us.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for connections
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Before uvicorn waits for open connections to finish: end every stream now (each gets
+        # an error event) rather than after its last token.
+        self.async_engine.shutdown()
+        await super().shutdown(sockets)
