@@ -18,8 +18,8 @@ perplexity. Four ways of holding the same weights are scored on the same windows
 int8 and int4 start from the fp32 copy benchmarks/dense_copy.py writes (made here if missing):
 quantizing the GGUF's Q4_1 weights again is refused, as a second rounding on top of the first.
 
-The quantized layers have two matmuls (yaie/model/quant.py). Decoding's few rows are quantized to
-int8 per 32 values for integer dot products; from quant.DEQUANTIZED_FROM_ROWS rows on (prefill),
+The quantized layers have two matmuls (yaie/ops/native_ops.py). Decoding's few rows are quantized to
+int8 per 32 values for integer dot products; from quant_layout.DEQUANTIZED_FROM_ROWS rows on (prefill),
 tiles of the weight are dequantized and multiplied in fp32, the weights' rounding alone (for Q4_1
 that is the fp32 row itself). Scoring a prompt is a prefill, so `--matmul int8` (the default)
 raises that threshold for the run to score through the decoding path, whose error every generated
@@ -55,8 +55,8 @@ from rich.table import Table
 
 from yaie import LLM, SamplingParams
 from yaie.config import KV_CACHE_DTYPES, EngineConfig
-from yaie.model import quant
 from yaie.model.loader import bundled_model_path, load_tokenizer
+from yaie.ops import quant_layout
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 # The model's context is 8192 tokens, but the GPL-3 is ~7,700: one window would score the text
@@ -85,12 +85,14 @@ VARIANTS = (
 @contextmanager
 def matmul_path(name: str) -> Iterator[None]:
     """Quantized layers multiply through `name`'s kernel ("int8" or "tiles") at every row count."""
-    saved = quant.DEQUANTIZED_FROM_ROWS
-    quant.DEQUANTIZED_FROM_ROWS = dict.fromkeys(saved, sys.maxsize if name == "int8" else 1)
+    # Changed in place: the backend and the decode path read the one dict.
+    thresholds = quant_layout.DEQUANTIZED_FROM_ROWS
+    saved = dict(thresholds)
+    thresholds.update(dict.fromkeys(saved, sys.maxsize if name == "int8" else 1))
     try:
         yield
     finally:
-        quant.DEQUANTIZED_FROM_ROWS = saved
+        thresholds.update(saved)
 
 
 def windows(token_ids: list[int], size: int) -> list[list[int]]:

@@ -4,13 +4,13 @@
 
 For each weight (K -> N, GGUF type as the bundled Q4_1 file stores it) and each number of
 activation rows M, three ways to compute y = x @ W.T:
-  * int8:  the activations quantized to int8, integer dot products (yaie.model.quant's kernel,
+  * int8:  the activations quantized to int8, integer dot products (yaie/ops/native_ops.py's kernel,
            in the best ISA path here, or YAIE_QUANT_ISA's);
   * tiles: W dequantized a tile of rows at a time, multiplied in fp32 by at::mm;
-  * fp32:  F.linear on the dequantized fp32 weight, packed for oneDNN as yaie/model/layers.py
+  * fp32:  F.linear on the dequantized fp32 weight, packed for oneDNN as yaie/model/linear.py
            does: what yaie runs today.
 The table gives the median ms per call and fp32's time over each quantized path's (> 1: faster
-than fp32). `DEQUANTIZED_FROM_ROWS` in yaie/model/quant.py picks between int8 and tiles from it.
+than fp32). `DEQUANTIZED_FROM_ROWS` in yaie/ops/quant_layout.py picks between int8 and tiles from it.
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ from bench_utils import background_cores, cpu_sample, machine_info, make_console
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from rich.table import Table
 
-from yaie.model import kernels, quant
-from yaie.model.layers import Linear
-from yaie.model.quant import QuantizedLinear
+from yaie.model.gguf_blocks import unpack_gguf
+from yaie.model.linear import DenseLinear
+from yaie.model.quantized_linear import QuantizedLinear
+from yaie.ops import NativeOps, select_ops
+from yaie.ops import quant_layout as quant
+from yaie.ops.quant_layout import pack_weight
 
 T = GGMLQuantizationType
 # name, K, N, type: SmolLM2-135M's linears with QKV and gate/up fused, as the GGUF stores them.
@@ -74,18 +77,20 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     console = make_console()
-    if not kernels.load():
+    ops = select_ops(torch.device("cpu"))
+    if not isinstance(ops, NativeOps):
         console.print("the native kernels did not build: nothing to measure")
         return 1
-    isa = quant.isa()
+    isa = ops.quant_isa
 
     table = Table(title=f"quantized matmul vs oneDNN fp32, {args.threads} threads, ISA {isa} (ms per call)")
     for column in ("weight", "type", "M", "int8", "tiles", "fp32", "fp32/int8", "fp32/tiles", "bg cores"):
         table.add_column(column, justify="left" if column in ("weight", "type") else "right")
     rows = []
     for name, k, n, ggml_type in SHAPES:
-        layer = QuantizedLinear.from_gguf(random_blocks(ggml_type, n, k), ggml_type, n, k)
-        dense = Linear(k, n)
+        packed = pack_weight(unpack_gguf(random_blocks(ggml_type, n, k), ggml_type, n, k))
+        layer = QuantizedLinear(*packed, n, ops=ops)
+        dense = DenseLinear(k, n)
         dense.weight.data = layer.dequantize().contiguous()
         dense.pack()
         weight = (layer.qweight, layer.scales, layer.mins, None, n)

@@ -5,7 +5,9 @@ import os
 import pytest
 import torch
 
-from yaie.model import kernels
+from yaie.ops import NativeOps, Ops, TorchOps, kernels, select_ops
+
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +20,18 @@ def native_kernels() -> None:
 
 
 @pytest.fixture
-def pytorch_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the model as machines without the native kernels do: on PyTorch ops alone."""
+def native_ops(native_kernels: None) -> Ops:
+    """The op backend a model loaded now runs on: the native one."""
+    ops = select_ops(CPU)
+    assert isinstance(ops, NativeOps)
+    return ops
+
+
+@pytest.fixture
+def pytorch_only(monkeypatch: pytest.MonkeyPatch) -> Ops:
+    """Run the model as machines without the native kernels do: on the torch op backend, which
+    models loaded (and backends selected) during the test get. Returns that backend."""
     monkeypatch.setattr(kernels, "available", lambda device: False)
-    assert not kernels.available(torch.device("cpu"))
+    ops = select_ops(CPU)
+    assert type(ops) is TorchOps
+    return ops

@@ -5,6 +5,7 @@ path and dense."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def fused_and_python(llm: LLM, prompts: list[str], monkeypatch: pytest.MonkeyPat
         m.setattr(FusedDecode, "__call__", counted)
         fused = generate(llm, prompts)
     with monkeypatch.context() as m:
-        m.setattr(FusedDecode, "runs", lambda self, x, meta: False)
+        m.setattr(FusedDecode, "fits", lambda self, meta, num_tokens: False)
         python = generate(llm, prompts)
     return fused, python, calls
 
@@ -70,7 +71,9 @@ def test_qkv_biases_and_a_tied_head(tmp_path, vocab, qwen2, native_kernels, monk
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="dense weights are packed by oneDNN")
 def test_dense_fp32_layers(tmp_path, vocab, llama, native_kernels, monkeypatch):  # noqa: F811
     llm = quantized_llm(write(tmp_path, vocab, "llama", llama, Q.Q4_1), quantization="none")
-    assert llm.engine.runner.model.fused_decode is not None
+    fused_decode = llm.engine.runner.fused_decode
+    # Dense weights take the native path at any batch: no quantized-matmul tuning applies to them.
+    assert fused_decode is not None and fused_decode.max_rows == sys.maxsize
     fused, python, calls = fused_and_python(llm, PROMPTS, monkeypatch)
     assert fused == python and calls > 0
 
@@ -78,7 +81,7 @@ def test_dense_fp32_layers(tmp_path, vocab, llama, native_kernels, monkeypatch):
 def test_qk_norm_layers_keep_the_python_forward(tmp_path, native_kernels):
     make_tiny_model("qwen3", tmp_path / "qwen3", seed=2)
     qwen3 = LLM(str(tmp_path / "qwen3"), quantization="int4", num_kv_blocks=8)
-    assert qwen3.engine.runner.model.fused_decode is None
+    assert qwen3.engine.runner.fused_decode is None
 
 
 def test_without_native_kernels_the_python_forward_runs(tmp_path, vocab, llama, pytorch_only, monkeypatch):  # noqa: F811

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.model.test_quantized_model import (
+    CPU,
     LINEARS,
     NUM_LAYERS,
     assert_logits_within_bound,
@@ -35,10 +36,10 @@ from tests.model.test_quantized_model import (
 )
 from tests.model.tiny_models import make_tiny_model
 from yaie.errors import ModelLoadError, UnsupportedModelError
-from yaie.model import quant
-from yaie.model.layers import Linear
+from yaie.model.linear import DenseLinear
 from yaie.model.loader_hf import HFCheckpoint
-from yaie.model.quant import QuantizedLinear
+from yaie.model.quantized_linear import QuantizedLinear
+from yaie.ops import quant_layout, select_ops
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Our fused layers and the projections whose rows they stack, in order.
@@ -196,7 +197,7 @@ def test_runs_as_int4(tmp_path, case, native_kernels, monkeypatch):
     layers = write_int4_checkpoint(tmp_path, kind, fmt)
     ours = load(tmp_path / "int4", "auto")
     assert ours.quantization == fmt.method.upper()
-    assert ours.kernel_isa == quant.isa()
+    assert ours.kernel_isa == select_ops(CPU).quant_isa
     for i in range(NUM_LAYERS):
         for name in LINEARS:
             layer = ours.model.get_submodule(f"layers.{i}.{name}")
@@ -204,14 +205,14 @@ def test_runs_as_int4(tmp_path, case, native_kernels, monkeypatch):
             assert torch.equal(layer.dequantize(), fused_dequantized(layers, i, name)), name
             # Act-order permutes the input features of layers with more than one group.
             assert (layer.in_order is not None) == (fmt.desc_act and layer.in_features > fmt.group_size), name
-    assert isinstance(ours.model.lm_head, Linear)  # AWQ and GPTQ leave the LM head dense
+    assert isinstance(ours.model.lm_head, DenseLinear)  # AWQ and GPTQ leave the LM head dense
     assert_logits_within_bound(checked_logits(ours, monkeypatch), logits(load(tmp_path / "dense", "none")))
 
 
 def test_act_order_feeds_the_dequantizing_path_the_permuted_features(tmp_path, native_kernels, monkeypatch):
     """Prompts of DEQUANTIZED_FROM_ROWS tokens or more take the other kernel: permuted alike.
     (The ISA path in use may never take it: here it does from 64 rows.)"""
-    monkeypatch.setitem(quant.DEQUANTIZED_FROM_ROWS, quant.isa(), 64)
+    monkeypatch.setitem(quant_layout.DEQUANTIZED_FROM_ROWS, select_ops(CPU).quant_isa, 64)
     layers = write_int4_checkpoint(tmp_path, "llama", Format("gptq", 32, desc_act=True))
     layer = load(tmp_path / "int4", "auto").model.layers[0].mlp.down_proj
     gen = torch.Generator().manual_seed(0)
@@ -231,7 +232,7 @@ def test_act_order_shards_in_different_orders_run_dense(tmp_path, native_kernels
         for name in LINEARS:
             layer = ours.model.get_submodule(f"layers.{i}.{name}")
             fused = name in ("self_attn.qkv_proj", "mlp.gate_up_proj")
-            assert isinstance(layer, Linear if fused else QuantizedLinear), name
+            assert isinstance(layer, DenseLinear if fused else QuantizedLinear), name
         torch.testing.assert_close(ours.model.layers[i].mlp.down_proj.dequantize(),
                                    fused_dequantized(layers, i, "mlp.down_proj"), rtol=0, atol=0)  # fmt: skip
     assert_logits_within_bound(checked_logits(ours, monkeypatch), logits(load(tmp_path / "dense", "none")))

@@ -6,6 +6,7 @@ textbook attention. Every path that touches the cache runs with each KV cache dt
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,6 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from yaie.model import kernels
 from yaie.model.attention import (
     AttentionMetadata,
     PrefillSeq,
@@ -22,7 +22,8 @@ from yaie.model.attention import (
     _attend_after_cache_masked,
     paged_attention,
 )
-from yaie.model.layers import RotaryEmbedding, rope_inv_freq
+from yaie.model.llama import RotaryEmbedding, rope_inv_freq
+from yaie.ops import kernels, select_ops
 
 NUM_BLOCKS = 64
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -77,7 +78,7 @@ CASES = [
 def test_decode_attention_matches_dense_attention(case, path, kv_dtype, request):
     """An fp32 query over a cache of each dtype. The reference reads the same stored values, and
     both paths widen them to fp32 before any maths, so the bound is fp32's whatever the cache."""
-    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
+    ops = request.getfixturevalue("native_ops" if path == "native" else "pytorch_only")
     q, k_cache, v_cache, tables, lens = make_case(*case, dtype=torch.float32)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     meta = AttentionMetadata(
@@ -87,7 +88,7 @@ def test_decode_attention_matches_dense_attention(case, path, kv_dtype, request)
         decode_context_lens=lens,
     )
     empty = q.new_empty(0, k_cache.shape[2], q.shape[-1])
-    out = paged_attention(q, empty, empty, k_cache, v_cache, meta)
+    out = paged_attention(ops, q, empty, empty, k_cache, v_cache, meta)
     assert out.dtype == q.dtype
     torch.testing.assert_close(
         out.double(), dense_reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=0
@@ -182,6 +183,37 @@ def test_rope_in_place_matches_pytorch_rope(tokens, dtype, native_kernels):
     assert not torch.equal(x.float(), untouched)
 
 
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+def test_every_backend_writes_the_same_tensors_in_place(path, request):
+    """add_rms_norm updates the residual and apply_rope_ the heads in place, in both backends,
+    and their results agree with each other: a model runs on either without knowing which."""
+    ops = request.getfixturevalue("native_ops" if path == "native" else "pytorch_only")
+    gen = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(2, 8, 576, generator=gen)
+    weight = torch.rand(576, generator=gen)
+    expected_residual = x + residual
+    out = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(expected_residual, (576,), weight, 1e-5))
+
+    rope = RotaryEmbedding(64, 1024, rope_inv_freq(64, 10000.0, None))
+    cos, sin = rope(torch.arange(8), torch.float32)
+    heads = strided_heads(8, 12, 64, torch.float32)
+    x1, x2 = heads.chunk(2, dim=-1)
+    expected = heads * cos + torch.cat((x2, x1), dim=-1) * sin
+    assert ops.apply_rope_(heads, cos, sin) is None
+    torch.testing.assert_close(heads, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+def test_the_chosen_backend_is_logged(path, request, caplog):
+    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
+    with caplog.at_level(logging.INFO, logger="yaie.ops"):
+        ops = select_ops(torch.device("cpu"))
+    assert [r.getMessage() for r in caplog.records] == [f"op backend: {ops.name}"]
+    assert ops.name.startswith("native (" if path == "native" else "torch")
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 13])  # 3 x 13 values a token: an odd row
@@ -244,7 +276,7 @@ def test_prompt_chunk_after_cached_tokens_reads_the_cache_in_its_dtype(path, kv_
     """A chunk of 11 fp32 tokens after 37 cached ones: it writes its own K/V into the cache
     (rounded to the cache's dtype) and attends to the cached tokens as stored, widened to fp32,
     and to its own at full precision. The maths is fp32, so the bound is fp32's."""
-    request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
+    ops = request.getfixturevalue("native_ops" if path == "native" else "pytorch_only")
     gen = torch.Generator().manual_seed(3)
     num_cached, n, heads, kv_heads, dim, block_size = 37, 11, 6, 2, 12, 8
     keys, values = torch.randn(2, num_cached + n, kv_heads, dim, generator=gen)
@@ -261,7 +293,7 @@ def test_prompt_chunk_after_cached_tokens_reads_the_cache_in_its_dtype(path, kv_
         slot_mapping=slots[num_cached:],
         prefills=[PrefillSeq(0, n, num_cached=num_cached, block_table=cached_blocks)],
     )
-    out = paged_attention(q, keys[num_cached:], values[num_cached:], k_cache, v_cache, meta)
+    out = paged_attention(ops, q, keys[num_cached:], values[num_cached:], k_cache, v_cache, meta)
 
     assert out.dtype == torch.float32
     seen_k = torch.cat((keys[:num_cached].to(kv_dtype).double(), keys[num_cached:].double()))
@@ -316,7 +348,7 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(native_kernels):
     lock = Path(cpp_extension._get_build_directory(kernels.extension_name(), verbose=False)) / "lock"
     lock.touch()
     try:
-        code = "from yaie.model import kernels; assert kernels.load()"
+        code = "from yaie.ops import kernels; assert kernels.load()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
         assert not lock.exists()
     finally:

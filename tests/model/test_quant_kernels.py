@@ -19,8 +19,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from yaie.model import quant
-from yaie.model.quant import QuantizedEmbedding, QuantizedLinear
+from yaie.model.gguf_blocks import unpack_gguf
+from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from yaie.ops import Ops, select_ops
+from yaie.ops import quant_layout as quant
+from yaie.ops.native_ops import cpu_isas
+from yaie.ops.quant_layout import pack_weight
+
+CPU = torch.device("cpu")
 
 T = GGMLQuantizationType
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
@@ -76,12 +82,23 @@ def assert_within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> No
     assert bool((err <= bound).all()), f"error {err.view(-1)[worst]:.3g} > bound {bound.view(-1)[worst]:.3g}"
 
 
+def ops() -> Ops:
+    """The op backend a model loaded now would run on (as YAIE_QUANT_ISA and the fixtures set)."""
+    return select_ops(CPU)
+
+
+def from_gguf(data, ggml_type, n: int, k: int, bias=None, *, ops: Ops) -> QuantizedLinear:
+    """A layer of a GGUF tensor's raw blocks, [n out, k in], as the loader makes it."""
+    packed = pack_weight(unpack_gguf(data, ggml_type, n, k))
+    return QuantizedLinear(*packed, n, bias, T(ggml_type).name, ops=ops)
+
+
 @pytest.fixture(params=quant.ISAS)
 def isa(request, native_kernels, monkeypatch) -> str:
-    if request.param not in quant.available_isas():
-        pytest.skip(f"this CPU lacks {request.param} (it has {', '.join(quant.available_isas())})")
+    if request.param not in cpu_isas():
+        pytest.skip(f"this CPU lacks {request.param} (it has {', '.join(cpu_isas())})")
     monkeypatch.setenv("YAIE_QUANT_ISA", request.param)
-    assert quant.isa() == request.param
+    assert ops().quant_isa == request.param
     return request.param
 
 
@@ -92,7 +109,7 @@ def test_matmul_matches_reference_on_quantized_activations(ggml_type, shape, isa
     m, n, k = shape
     raw = random_blocks(ggml_type, n, k, seed=m * n)
     bias = torch.randn(n)
-    layer = QuantizedLinear.from_gguf(raw, ggml_type, n, k, bias=bias)
+    layer = from_gguf(raw, ggml_type, n, k, bias=bias, ops=ops())
     w = torch.from_numpy(dequantize(raw, ggml_type)).double()
     x = random_activations(m, k, seed=k)
 
@@ -119,7 +136,7 @@ def test_activations_on_rounding_ties_round_as_the_reference_does(isa):
     x[..., :1] = amax
     x = x.view(m, k)
     raw = random_blocks(T.Q8_0, 4, k, seed=1)
-    layer = QuantizedLinear.from_gguf(raw, T.Q8_0, 4, k)
+    layer = from_gguf(raw, T.Q8_0, 4, k, ops=ops())
     w = torch.from_numpy(dequantize(raw, T.Q8_0)).double()
     xq = quantized_activations(x)
     assert_within(layer(x), xq @ w.T, 1e-5 * (xq.abs() @ w.abs().T))
@@ -129,7 +146,7 @@ def test_activations_on_rounding_ties_round_as_the_reference_does(isa):
 def test_no_rows_give_no_rows(ggml_type, isa):
     """A step in which no sequence samples asks the LM head for zero rows."""
     raw = random_blocks(ggml_type, 8, 256, seed=6)
-    layer = QuantizedLinear.from_gguf(raw, ggml_type, 8, 256, bias=torch.ones(8))
+    layer = from_gguf(raw, ggml_type, 8, 256, bias=torch.ones(8), ops=ops())
     assert layer(torch.empty(0, 256)).shape == (0, 8)
 
 
@@ -138,10 +155,10 @@ def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels,
     """From DEQUANTIZED_FROM_ROWS rows on, the activations are not quantized: fp32 rounding only.
     N spans two tiles and a padded group. (The ISA path in use may never take the tiles: here it
     does from 64 rows.)"""
-    monkeypatch.setitem(quant.DEQUANTIZED_FROM_ROWS, quant.isa(), 64)
+    monkeypatch.setitem(quant.DEQUANTIZED_FROM_ROWS, ops().quant_isa, 64)
     m, n, k = 64 + 3, quant.TILE_ROWS + 5, 512
     raw = random_blocks(ggml_type, n, k, seed=7)
-    layer = QuantizedLinear.from_gguf(raw, ggml_type, n, k)
+    layer = from_gguf(raw, ggml_type, n, k, ops=ops())
     w = torch.from_numpy(dequantize(raw, ggml_type)).double()
     x = random_activations(m, k, seed=3)
 
@@ -154,7 +171,7 @@ def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels,
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
     raw = random_blocks(ggml_type, 11, 512, seed=1)
-    layer = QuantizedLinear.from_gguf(raw.tobytes(), ggml_type, 11, 512)
+    layer = from_gguf(raw.tobytes(), ggml_type, 11, 512, ops=ops())
     assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
 
 
@@ -165,7 +182,7 @@ def test_embedding_rows_are_the_dequantized_weight_rows(ggml_type, path, request
     from padded row groups too (11 rows), natively or in PyTorch."""
     request.getfixturevalue(path)
     raw = random_blocks(ggml_type, 11, 512, seed=8)
-    layer = QuantizedLinear.from_gguf(raw, ggml_type, 11, 512)
+    layer = from_gguf(raw, ggml_type, 11, 512, ops=ops())
     table = QuantizedEmbedding.from_linear(layer, torch.float32)
     ids = torch.tensor([10, 0, 3, 3, 7, 4])
 
@@ -175,7 +192,7 @@ def test_embedding_rows_are_the_dequantized_weight_rows(ggml_type, path, request
 
 
 def test_embedding_refuses_ids_outside_the_table(native_kernels):
-    layer = QuantizedLinear.from_gguf(random_blocks(T.Q8_0, 8, 256, seed=9), T.Q8_0, 8, 256)
+    layer = from_gguf(random_blocks(T.Q8_0, 8, 256, seed=9), T.Q8_0, 8, 256, ops=ops())
     with pytest.raises(RuntimeError, match="outside the table"):
         QuantizedEmbedding.from_linear(layer, torch.float32)(torch.tensor([8]))
 
@@ -187,22 +204,23 @@ SCALES_IN_FLOAT16 = {T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q4_K: False, T.
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_scales_are_float16_where_that_is_exact(ggml_type):
-    layer = QuantizedLinear.from_gguf(random_blocks(ggml_type, 11, 512, seed=4), ggml_type, 11, 512)
+    raw = random_blocks(ggml_type, 11, 512, seed=4)
+    layer = from_gguf(raw, ggml_type, 11, 512, ops=ops())
     expected = torch.float16 if SCALES_IN_FLOAT16[ggml_type] else torch.float32
     assert layer.scales.dtype == expected
     assert layer.mins is None or layer.mins.dtype == expected
     # Both storage types run in every path (the matmul tests above cover both through TYPES).
-    dense = QuantizedLinear.quantize(torch.randn(8, 256), "int4")
+    dense = QuantizedLinear.quantize(torch.randn(8, 256), "int4", ops=ops())
     assert dense.scales.dtype == torch.float32  # max - min over 15 is rarely a float16 value
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_without_native_kernels_the_dequantized_weights_are_used(ggml_type, pytorch_only):
     raw = random_blocks(ggml_type, 6, 256, seed=2)
-    layer = QuantizedLinear.from_gguf(raw, ggml_type, 6, 256)
+    layer = from_gguf(raw, ggml_type, 6, 256, ops=ops())
     x = random_activations(2, 256, seed=5)
     w = torch.from_numpy(dequantize(raw, ggml_type))
-    assert quant.isa() == "none"
+    assert ops().quant_isa == "none"
     torch.testing.assert_close(layer(x), x @ w.T)
 
 
@@ -210,7 +228,7 @@ def test_without_native_kernels_the_dequantized_weights_are_used(ggml_type, pyto
 def test_quantize_dense_weight(scheme, group_size, isa):
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(19, 256, generator=gen)
-    layer = QuantizedLinear.quantize(weight, scheme, group_size)
+    layer = QuantizedLinear.quantize(weight, scheme, group_size, ops=ops())
 
     w = layer.dequantize().double()
     # Rounding to the nearest level: within half a step of the group's scale.
@@ -226,29 +244,29 @@ def test_quantize_dense_weight(scheme, group_size, isa):
 
 def test_unsupported_type_names_itself_and_the_supported_ones():
     with pytest.raises(ValueError, match=r"Q5_K.*supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
-        QuantizedLinear.from_gguf(b"", T.Q5_K, 4, 256)
+        from_gguf(b"", T.Q5_K, 4, 256, ops=ops())
 
 
 @pytest.mark.parametrize(("ggml_type", "k"), [(T.Q4_K, 288), (T.Q8_0, 48)])
 def test_in_features_must_fill_whole_blocks(ggml_type, k):
     with pytest.raises(ValueError, match=f"{ggml_type.name} packs .* in_features={k} is not a multiple"):
-        QuantizedLinear.from_gguf(b"", ggml_type, 4, k)
+        from_gguf(b"", ggml_type, 4, k, ops=ops())
 
 
 def test_forcing_an_isa_this_cpu_lacks_says_which_it_has(native_kernels, monkeypatch):
-    missing = [name for name in quant.ISAS if name not in quant.available_isas()]
+    missing = [name for name in quant.ISAS if name not in cpu_isas()]
     if not missing:
         pytest.skip("this CPU has every ISA path")
     monkeypatch.setenv("YAIE_QUANT_ISA", missing[0])
     with pytest.raises(ValueError, match=f"YAIE_QUANT_ISA={missing[0]} is not available.*available: scalar"):
-        quant.isa()
+        ops()
 
 
 @pytest.mark.parametrize("path", ["native", "pytorch"])
 def test_bfloat16_activations_come_back_in_bfloat16(path, request):
     request.getfixturevalue("native_kernels" if path == "native" else "pytorch_only")
     raw = random_blocks(T.Q4_1, 8, 256, seed=3)
-    layer = QuantizedLinear.from_gguf(raw, T.Q4_1, 8, 256)
+    layer = from_gguf(raw, T.Q4_1, 8, 256, ops=ops())
     x = random_activations(2, 256, seed=6).bfloat16()
     y = layer(x)
     assert y.dtype == torch.bfloat16

@@ -34,14 +34,14 @@ from tests.model.tiny_models import make_tiny_model, randomize
 from yaie.config import EngineConfig
 from yaie.errors import ModelLoadError, UnsupportedModelError
 from yaie.llm import LLM
-from yaie.model import quant
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.config import ModelConfig
-from yaie.model.layers import Linear
+from yaie.model.linear import DenseLinear
 from yaie.model.llama import CausalLM
 from yaie.model.loader import LoadedModel, load_model, load_weights
 from yaie.model.loader_gguf import GGUFCheckpoint
-from yaie.model.quant import QuantizedEmbedding, QuantizedLinear
+from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from yaie.ops import TorchOps, select_ops
 
 CPU = torch.device("cpu")
 PROMPT = "the quick brown fox jumps over the lazy dog, hello world!"
@@ -102,7 +102,7 @@ def load(path: Path, quantization: str) -> LoadedModel:
 def dense_weights(path: Path) -> CausalLM:
     """The "none" path's fused weights, before oneDNN packing takes the plain copies away."""
     checkpoint = GGUFCheckpoint(str(path))
-    model = CausalLM(ModelConfig.from_hf(checkpoint.hf_config()), 16)
+    model = CausalLM(ModelConfig.from_hf(checkpoint.hf_config()), 16, TorchOps())
     load_weights(model, checkpoint.weights(torch.float32))
     return model
 
@@ -172,7 +172,7 @@ def checked_logits(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> torc
     CHECKED.clear()
     with monkeypatch.context() as patch:
         patch.setattr(QuantizedLinear, "forward", checked_forward)
-        # A prompt shorter than any path's quant.DEQUANTIZED_FROM_ROWS (64 at least): int8 kernels run.
+        # A prompt shorter than any path's DEQUANTIZED_FROM_ROWS (64 at least): int8 kernels run.
         result = logits(loaded)
     expected = sum(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
     assert len(CHECKED) == expected > 0
@@ -187,7 +187,7 @@ def test_llama_runs_as_stored(tmp_path, vocab, llama, qtype, native_kernels, mon
     path = write(tmp_path, vocab, "llama", llama, qtype)
     ours = load(path, "auto")
     assert ours.quantization == qtype.name
-    assert ours.kernel_isa == quant.isa()
+    assert ours.kernel_isa == select_ops(CPU).quant_isa
     types = dict.fromkeys(linear_names(NUM_LAYERS), qtype.name)
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
@@ -235,7 +235,7 @@ def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch)
     for i in range(NUM_LAYERS):
         types |= {f"layers.{i}.self_attn.o_proj": "Q4_K", f"layers.{i}.mlp.gate_up_proj": "Q6_K+Q8_0",
                   f"layers.{i}.mlp.down_proj": "Q6_K"}  # fmt: skip
-        assert isinstance(ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj"), Linear)
+        assert isinstance(ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj"), DenseLinear)
     assert ours.quantization == "Q4_K, Q6_K, Q6_K+Q8_0"
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
@@ -255,7 +255,7 @@ def test_engine_reports_quantization(tmp_path, vocab, llama, native_kernels):
     path = write(tmp_path, vocab, "llama", llama, Q.Q4_0)
     engine = LLM(str(path), quantization="auto", num_kv_blocks=8).engine
     info = engine.model_info
-    assert (info.quantization, info.kernel_isa) == ("Q4_0", quant.isa())
+    assert (info.quantization, info.kernel_isa) == ("Q4_0", select_ops(CPU).quant_isa)
     assert info.weight_bytes == engine.weight_bytes > 0
     dense = LLM(str(path), quantization="none", num_kv_blocks=8).engine.model_info
     assert (dense.quantization, dense.kernel_isa) == ("none", "none")

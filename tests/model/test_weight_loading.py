@@ -13,6 +13,7 @@ from tests.model.tiny_models import make_tiny_model
 from yaie.model.config import ModelConfig
 from yaie.model.llama import CausalLM
 from yaie.model.loader import load_model, load_weights, our_name, shard_rows
+from yaie.ops import TorchOps
 
 CONFIG = ModelConfig(
     architecture="Qwen2ForCausalLM",
@@ -58,7 +59,7 @@ def hf_checkpoint(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def empty_model(cfg: ModelConfig) -> CausalLM:
-    model = CausalLM(cfg, cfg.max_position_embeddings)
+    model = CausalLM(cfg, cfg.max_position_embeddings, TorchOps())
     with torch.no_grad():
         for param in model.parameters():
             param.fill_(float("nan"))  # so that a parameter the loader skips shows
@@ -116,7 +117,7 @@ def test_a_missing_shard_is_named():
 def test_a_missing_bias_is_a_zero_bias():
     weights = hf_checkpoint(CONFIG)
     del weights["model.layers.0.self_attn.k_proj.bias"]
-    model = CausalLM(CONFIG, CONFIG.max_position_embeddings)
+    model = CausalLM(CONFIG, CONFIG.max_position_embeddings, TorchOps())
     load_weights(model, weights.items())
     k_rows = shard_rows(CONFIG, "k_proj")
     assert torch.equal(model.layers[0].self_attn.qkv_proj.bias[k_rows], torch.zeros(8))

@@ -10,6 +10,7 @@ from yaie.engine.scheduler import SchedulerOutput
 from yaie.engine.sequence import Sequence
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.config import ModelConfig
+from yaie.model.fused_decode import FusedDecode
 from yaie.model.llama import CausalLM
 
 
@@ -45,6 +46,9 @@ class ModelRunner:
             dtype=kv_dtype, device=self.device,
         )  # fmt: skip
         model.bind_kv_cache(self.kv_cache)
+        # The native decode path over every layer, where the model has one for this cache: chosen
+        # here, once; `execute` takes it for each step it fits.
+        self.fused_decode = FusedDecode.for_model(model)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -57,7 +61,10 @@ class ModelRunner:
         if not batch.scheduled:  # nothing could be admitted this step
             return RunnerOutput(torch.empty(0, self.model.config.vocab_size, device=self.device))
         inputs = self._prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.fused_decode is not None and self.fused_decode.fits(inputs.meta, len(inputs.input_ids)):
+            hidden = self.fused_decode(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         # The LM head is the costliest matmul of a decode step: run it only on wanted rows.
         rows = inputs.logits_rows + [
             r for _, _, first, count in inputs.prompt_rows for r in range(first, first + count)

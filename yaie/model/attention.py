@@ -2,9 +2,8 @@
 
 This is the one module that knows how attention touches the KV cache. Prompts run through
 PyTorch's scaled_dot_product_attention (after gathering cached blocks, if any). Decoding tokens
-on a CPU run through a native kernel that reads each sequence's blocks in place
-(csrc/paged_attention.cpp); elsewhere, or when it could not be built, through a gather of each
-sequence's blocks and scaled_dot_product_attention.
+run through the op backend's paged decode attention: the native kernel reads each sequence's
+blocks in place (csrc/paged_attention.cpp), the torch one gathers them first.
 
 Cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
 Token t of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`;
@@ -16,19 +15,20 @@ an fp32 model): K/V are rounded to it when written, and widened back to q's dtyp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from yaie.model import kernels
+from yaie.ops import Ops
+from yaie.ops.torch_ops import gather_blocks
 
 
 @dataclass
 class PrefillSeq:
     """One sequence computing several tokens this step (a prompt or a chunk of one)."""
 
-    start: int  # first of its tokens in the packed batch
+    start: int  # first of its tokens in the flat batch
     num_tokens: int
     # Earlier tokens of the sequence already in the cache (a previous chunk, a prefix hit), and
     # the blocks that hold them.
@@ -41,37 +41,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes
     prefills: list[PrefillSeq]
     # Decoding sequences (one new token each), batched into a single attention call.
-    decode_token_idx: torch.Tensor | None = None  # [decodes] positions in the packed batch; None = all
+    decode_token_idx: torch.Tensor | None = None  # [decodes] positions in the flat batch; None = all
     decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [decodes]: keys each one attends to
-    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def num_decodes(self) -> int:
-        return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
-
-    def decode_mask(self, num_keys: int) -> torch.Tensor:
-        """[decodes, 1, 1, num_keys]: which of the gathered keys each decoding sequence sees. The
-        PyTorch decode path needs it in every layer; it is built once per step."""
-        if self._decode_mask is None:
-            lens = self.decode_context_lens
-            valid = torch.arange(num_keys, device=lens.device) < lens.unsqueeze(1)
-            self._decode_mask = valid.view(len(lens), 1, 1, num_keys)
-        return self._decode_mask
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[..., max_blocks] block ids -> [..., kv_heads, max_blocks * block_size, head_dim]."""
-    # index_select copies whole blocks (a memcpy each); advanced indexing (cache[block_table])
-    # goes element by element and is 3-5x slower here, which long-context decoding feels.
-    blocks = cache.index_select(0, block_table.flatten())
-    blocks = blocks.view(
-        *block_table.shape, *cache.shape[1:]
-    )  # [..., max_blocks, block_size, kv_heads, head_dim]
-    return blocks.flatten(-4, -3).transpose(-3, -2)
 
 
 def paged_attention(
+    ops: Ops,
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]
     v: torch.Tensor,
@@ -79,32 +55,31 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    if kernels.available(k.device):
-        kernels.write_kv(k, v, meta.slot_mapping, k_cache, v_cache)
-    else:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    gqa = q.shape[1] != num_kv_heads
+    """Write the tokens' k and v into the cache, then each token's attention over its sequence:
+    [tokens, heads, head_dim], in q's dtype."""
+    ops.write_kv(k, v, meta.slot_mapping, k_cache, v_cache)
+    gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
 
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
         # A leading batch dimension of 1: with 3-D inputs PyTorch's CPU build falls back to its
-        # slow reference attention instead of the flash kernel (4-5x slower at 1k tokens).
+        # slow reference attention instead of the flash kernel.
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
         ks, vs = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
         if seq.num_cached == 0:  # the whole context is in this batch: plain causal attention
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            cached_k = _gather(k_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0).to(q.dtype)
-            cached_v = _gather(v_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0).to(q.dtype)
+            assert seq.block_table is not None  # a sequence with cached tokens has their blocks
+            cached_k = gather_blocks(k_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0).to(q.dtype)
+            cached_v = gather_blocks(v_cache, seq.block_table)[:, : seq.num_cached].unsqueeze(0).to(q.dtype)
             o = _attend_after_cache(qs, cached_k, cached_v, ks, vs)
         out[rows] = o[0].transpose(0, 1)
 
-    if meta.num_decodes:
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    if tables is not None and lens is not None and len(tables):
         idx = meta.decode_token_idx
-        o = _decode(q if idx is None else q[idx], k_cache, v_cache, meta)
+        o = ops.paged_decode_attention(q if idx is None else q[idx], k_cache, v_cache, tables, lens)
         if idx is None:
             out = o
         else:
@@ -123,8 +98,9 @@ def _attend_after_cache(
         o = (o_cached * e^lse_cached + o_chunk * e^lse_chunk) / (e^lse_cached + e^lse_chunk)
 
     One call with an explicit [n, cached + n] mask gives the same result, but the mask stops the
-    kernel from skipping the blocks above the diagonal and is read for every head: 1.4x slower
-    for a 2,048-token chunk after 2,048 cached tokens. Elsewhere that masked call is what runs.
+    kernel from skipping the blocks above the diagonal and is read for every head, which makes
+    long chunks after long cached prefixes slower (benchmarks/prefix_cache.py). Elsewhere that
+    masked call is what runs.
     """
     if q.device.type != "cpu":
         return _attend_after_cache_masked(q, cached_k, cached_v, k, v)
@@ -133,7 +109,8 @@ def _attend_after_cache(
     o_chunk, lse_chunk = flash(q, k, v, is_causal=True)
     top = torch.maximum(lse_cached, lse_chunk)
     w_cached, w_chunk = (lse_cached - top).exp().unsqueeze(-1), (lse_chunk - top).exp().unsqueeze(-1)
-    return (o_cached * w_cached + o_chunk * w_chunk) / (w_cached + w_chunk)
+    out: torch.Tensor = (o_cached * w_cached + o_chunk * w_chunk) / (w_cached + w_chunk)
+    return out
 
 
 def _attend_after_cache_masked(
@@ -147,22 +124,3 @@ def _attend_after_cache_masked(
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
     )
-
-
-def _decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-) -> torch.Tensor:
-    """Attention of one new token per sequence: q [decodes, heads, head_dim] -> the same shape."""
-    tables, lens = meta.decode_block_tables, meta.decode_context_lens
-    if kernels.available(q.device):
-        return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
-    kd = _gather(k_cache, tables).to(q.dtype)  # [decodes, kv_heads, max_blocks * block_size, head_dim]
-    vd = _gather(v_cache, tables).to(q.dtype)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
-        kd,
-        vd,
-        attn_mask=meta.decode_mask(kd.shape[2]),
-        enable_gqa=q.shape[1] != k_cache.shape[2],
-    )
-    return o.squeeze(2)

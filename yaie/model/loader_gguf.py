@@ -22,7 +22,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from yaie.errors import UnsupportedModelError
-from yaie.model.quant import SUPPORTED_GGML_TYPES, Unpacked, unpack_gguf
+from yaie.model.gguf_blocks import SUPPORTED_GGML_TYPES, unpack_gguf
+from yaie.ops.quant_layout import Unpacked
 
 # llama.cpp writes Mistral models as "llama".
 GGUF_ARCHITECTURES = {
@@ -76,7 +77,7 @@ class _PlainArrayReader(GGUFReader):
     same mapping parses identically, several times faster, and still reads tensors lazily.
     """
 
-    @property
+    @property  # type: ignore[override]  # a plain array, where the base says memmap
     def data(self) -> np.ndarray:
         return self._data
 
@@ -98,11 +99,12 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: rows (head, pair, 2) -> (head, 2, pair)."""
     rows = weight.shape[0]
-    return (
+    unpermuted: np.ndarray = (
         weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+    return unpermuted
 
 
 @dataclass(frozen=True)

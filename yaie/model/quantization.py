@@ -7,7 +7,8 @@
   int8, int4  a dense checkpoint's linear layers quantized at load, a scale (and a min) per 32.
 
 A quantized embedding table stays quantized too: lookups dequantize only their tokens' rows,
-and a tied LM head multiplies by the same table. The layers themselves are yaie/model/quant.py's.
+and a tied LM head multiplies by the same table. The layers themselves are in
+yaie/model/quantized_linear.py, the packed layout they hold in yaie/ops/quant_layout.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from yaie.model.layers import Linear
-from yaie.model.quant import QuantizedLinear, Unpacked
+from yaie.model.linear import DenseLinear, Linear
+from yaie.model.llama import CausalLM
+from yaie.model.quantized_linear import QuantizedLinear
+from yaie.ops.quant_layout import Unpacked
 
 GROUP_SIZE = 32  # values per scale of int8 / int4 at load: the finer of the kernels' two
 
@@ -42,31 +45,32 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, module)
 
 
-def float_bias(linear: Linear) -> torch.Tensor | None:
+def float_bias(linear: DenseLinear) -> torch.Tensor | None:
     """The kernels add the bias in float32."""
     return None if linear.bias is None else linear.bias.detach().float()
 
 
-def quantize_linears(model: nn.Module, scheme: Literal["int8", "int4"]) -> None:
+def quantize_linears(model: CausalLM, scheme: Literal["int8", "int4"]) -> None:
     """Replace every dense linear layer (the LM head too) by its `scheme` quantization."""
     for name, module in list(model.named_modules()):
-        if isinstance(module, Linear):
+        if isinstance(module, DenseLinear):
             try:
-                quantized = QuantizedLinear.quantize(module.weight, scheme, GROUP_SIZE, float_bias(module))
+                quantized = QuantizedLinear.quantize(
+                    module.weight, scheme, GROUP_SIZE, float_bias(module), ops=model.ops
+                )
             except ValueError as exc:
                 raise ValueError(f"{name} cannot be quantized to {scheme}: {exc}") from exc
             replace_module(model, name, quantized)
 
 
 def weight_types(model: nn.Module) -> Counter[str]:
-    """Linear layers by the type their weights run in: Q4_1, int8, torch.float32, ..."""
-    types: Counter[str] = Counter()
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            types[module.weight_type] += 1
-        elif isinstance(module, Linear):
-            types[str(module.weight.dtype if module.packed is None else module.packed.dtype)] += 1
-    return types
+    """Linear layers by the type their weights run in: Q4_1, int8, float32, ..."""
+    return Counter(module.weight_type for module in model.modules() if isinstance(module, Linear))
+
+
+def quantized_types(model: nn.Module) -> list[str]:
+    """The types of the model's quantized linear layers, sorted: ["Q4_1", "Q6_K"]; [] if none."""
+    return sorted({m.weight_type for m in model.modules() if isinstance(m, QuantizedLinear)})
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -74,6 +78,6 @@ def weight_bytes(model: nn.Module) -> int:
     and scales), and oneDNN's packed copies, which replace their layers' plain weights. A tensor
     two modules share (a tied LM head's table, also the embedding's) counts once."""
     tensors = list(model.state_dict(keep_vars=True).values())  # the modules' own tensor objects
-    tensors += [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    tensors += [m.packed for m in model.modules() if isinstance(m, DenseLinear) and m.packed is not None]
     unique = {id(t): t for t in tensors}
     return sum(int(t.nbytes) for t in unique.values())

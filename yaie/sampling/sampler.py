@@ -43,7 +43,7 @@ the random number of each seeded row from its own generator. In order:
 
 When every row is greedy with nothing to apply (no bias, penalties, active min_tokens or
 logprobs), the step is a single argmax. Greedy argmaxes of float32 rows on the CPU take the native
-kernel (yaie/model/csrc/argmax.cpp: the same indices; at 32 rows of a 49k vocabulary the greedy
+kernel (yaie/ops/csrc/argmax.cpp: the same indices; at 32 rows of a 49k vocabulary the greedy
 step fell from ~1.4 to ~0.2 ms, benchmarks/results/argmax-revisions.txt).
 
 `Sampler.distributions` runs stages 1-3 alone and returns each row's distribution as
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yaie.model import kernels
+from yaie.ops import kernels
 from yaie.outputs import TokenLogprob
 from yaie.sampling.batch import SamplingBatch, SamplingSeq
 from yaie.sampling.draw import draw_from_candidates, draw_full_rows

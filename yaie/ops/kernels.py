@@ -1,9 +1,9 @@
-"""Native CPU kernels (csrc/), compiled on first use with the machine's C++ compiler.
+"""The native CPU kernels (csrc/): building and loading them, and each op as a typed function.
 
 PyTorch's own ops cover everything yaie does; these kernels only do some of it faster. So a
-machine that cannot build them (no compiler, or YAIE_NATIVE_KERNELS=0) runs the PyTorch path,
-with one warning saying why. The build takes 10-20 s once; torch caches it under
-~/.cache/torch_extensions and rebuilds when the source changes. The build is for this CPU
+machine that cannot build them (no compiler, or YAIE_NATIVE_KERNELS=0) runs the torch op backend
+(yaie/ops/torch_ops.py), with one warning saying why. The build takes a while once; torch caches
+it under ~/.cache/torch_extensions and rebuilds when the source changes. The build is for this CPU
 (-march=native), so it is cached under a name keyed by the CPU's instruction-set flags: a home
 folder shared by machines with different CPUs then holds one build per CPU, never one that
 another CPU cannot run.
@@ -29,8 +29,15 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
-        "paged_attention.cpp", "rms_norm.cpp", "rope_cache.cpp", "quant_matmul.cpp", "quant_x86.cpp",
-        "quant_avx512.cpp", "activation.cpp", "decode_layer.cpp", "argmax.cpp",
+        "paged_attention.cpp",
+        "rms_norm.cpp",
+        "rope_cache.cpp",
+        "quant_matmul.cpp",
+        "quant_x86.cpp",
+        "quant_avx512.cpp",
+        "activation.cpp",
+        "decode_layer.cpp",
+        "argmax.cpp",
     )
 ]
 # -march=native: the build is per machine anyway. -ffast-math: see paged_attention.cpp.
@@ -42,7 +49,7 @@ _LDFLAGS = ["-fopenmp"]
 
 def available(device: torch.device) -> bool:
     """Whether tensors on `device` can use the kernels (building them on first call). The model
-    asks at every use, so one switch (this function) selects the native or the PyTorch path."""
+    does not ask: its op backend was chosen once, at load (yaie/ops/backend.py: select_ops)."""
     return device.type == "cpu" and load()
 
 
@@ -119,17 +126,22 @@ def paged_decode_attention(
     in q's dtype. Caches are [blocks, block_size, kv_heads, dim], in q's dtype or another float
     dtype (the maths is fp32 either way); block_tables [seqs, max_blocks] and context_lens [seqs]
     are int64. Call only after `load()` returned True."""
-    return torch.ops.yaie.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out: torch.Tensor = torch.ops.yaie.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale
+    )
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place), then return rms_norm(residual) * weight; all [tokens, hidden]."""
-    return torch.ops.yaie.add_rms_norm(x, residual, weight, eps)
+    out: torch.Tensor = torch.ops.yaie.add_rms_norm(x, residual, weight, eps)
+    return out
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [tokens, heads, head_dim] in place by RotaryEmbedding's tables; returns x."""
-    return torch.ops.yaie.apply_rope_(x, cos, sin)
+    out: torch.Tensor = torch.ops.yaie.apply_rope_(x, cos, sin)
+    return out
 
 
 def write_kv(
@@ -143,10 +155,56 @@ def write_kv(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [tokens, 2 * intermediate] float32 -> [tokens, intermediate];
     about an ulp from PyTorch's silu (see csrc/activation.cpp for who may use it)."""
-    return torch.ops.yaie.silu_and_mul(gate_up)
+    out: torch.Tensor = torch.ops.yaie.silu_and_mul(gate_up)
+    return out
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for contiguous float32 logits [rows, vocab] -> int64 [rows],
     the same indices (first of equal maxima, first NaN), without PyTorch's value-at-a-time loop."""
-    return torch.ops.yaie.argmax_rows(logits)
+    out: torch.Tensor = torch.ops.yaie.argmax_rows(logits)
+    return out
+
+
+def quant_isa_supported(isa: int) -> bool:
+    """Whether this CPU runs the quantized kernels' path ISAS[isa] (yaie/ops/quant_layout.py)."""
+    return bool(torch.ops.yaie.quant_isa_supported(isa))
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+    isa: int,
+) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ the packed weight^T (+ bias) -> float32 [rows, out]: x
+    quantized to int8 per 32 values, integer dot products in the ISA path ISAS[isa]."""
+    out: torch.Tensor = torch.ops.yaie.quant_matmul(x, qweight, scales, mins, bias, out_features, isa)
+    return out
+
+
+def quant_matmul_dequantized(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+    tile_rows: int,
+) -> torch.Tensor:
+    """quant_matmul with x kept in float32: the weight dequantized `tile_rows` rows at a time."""
+    out: torch.Tensor = torch.ops.yaie.quant_matmul_dequantized(
+        x, qweight, scales, mins, bias, out_features, tile_rows
+    )
+    return out
+
+
+def quant_embedding(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, ids: torch.Tensor
+) -> torch.Tensor:
+    """The packed table's rows of `ids` [tokens], dequantized: float32 [tokens, dim]."""
+    out: torch.Tensor = torch.ops.yaie.quant_embedding(qweight, scales, mins, ids)
+    return out

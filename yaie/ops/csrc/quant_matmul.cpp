@@ -1,6 +1,6 @@
 // Matmuls with quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x fp32, W packed as
 // quant_common.h describes (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K, or int8 / int4 quantized at
-// load, all repacked into two formats by yaie/model/quant.py).
+// load, all packed into two formats by yaie/ops/quant_layout.py).
 //
 // Few rows (decoding): each activation row is quantized once to int8 blocks of 32, then every
 // block is an integer dot product and one scale FMA (plus one for the min of 4-bit weights), in

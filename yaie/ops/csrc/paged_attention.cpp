@@ -24,7 +24,7 @@
 // cache row is widened to fp32 once as it is read, and all the maths is fp32. An fp32 cache is
 // read in place, with no copy.
 //
-// Built by yaie/model/kernels.py with -O3 -march=native -ffast-math. Fast-math lets GCC vectorize
+// Built by yaie/ops/kernels.py with -O3 -march=native -ffast-math. Fast-math lets GCC vectorize
 // expf through glibc's vector math library; it is safe here because the kernel never produces
 // infinities or NaNs: it only visits real context tokens (no -inf masking), and every
 // exponent is s - max <= 0.

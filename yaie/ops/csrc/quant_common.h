@@ -1,6 +1,6 @@
 // The packed layout of quantized weights and the entry points of each ISA's matmul kernel.
 //
-// Weights are repacked once at load (yaie/model/quant.py) into what the kernels stream: rows in
+// Weights are repacked once at load (yaie/ops/quant_layout.py: pack_weight) into what the kernels stream: rows in
 // groups of four, and for each group the 32-value blocks along K, the four rows' blocks next to
 // each other, so one group is one contiguous read:
 //

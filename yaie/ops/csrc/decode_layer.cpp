@@ -38,7 +38,7 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 }
 
 // A projection as the layer passes it: quantized, [qweight, scales, mins or None, bias or None]
-// (yaie/model/quant.py); dense, [oneDNN-packed weight, bias or None] (yaie/model/layers.py).
+// (yaie/model/quantized_linear.py); dense, [oneDNN-packed weight, bias or None] (yaie/model/linear.py).
 at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weight, int64_t out_features,
                    int64_t isa) {
   TORCH_CHECK(weight.size() == 4 || weight.size() == 2,
@@ -95,7 +95,7 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
                         post_attention_norm, eps);
   const at::Tensor gate_up = project(h, gate_up_proj, 2 * intermediate_size, isa);
   // A quantized down projection takes the native silu * up (csrc/activation.cpp says why only it),
-  // as GatedMLP.forward does.
+  // as QuantizedLinear.silu_mul_forward does.
   const at::Tensor act = down_proj.size() == 4
                              ? silu_and_mul.call(gate_up)
                              : at::silu(gate_up.narrow(1, 0, intermediate_size))
