@@ -71,13 +71,31 @@ from yaie.sampling.workspace import Workspace
 __all__ = ["Distributions", "Sampler", "SamplerOutput", "SamplingBatch", "SamplingSeq", "prompt_logprobs"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]  # one per row
-    # None when no row asked for logprobs; else per row, the sampled token's logprob with the
-    # top alternatives (as many as the row asked for, best first), or None for a row that did
-    # not ask.
-    logprobs: list[TokenLogprob | None] | None = None
+    """What a step's sampling gives each row's sequence, in batch order: the tokens it appends
+    (one drawn token; with speculative decoding, the drafts the target kept and its own token
+    after them, yaie/spec/decoder.py) and, where asked, their logprobs."""
+
+    token_ids: list[list[int]]
+    # None when no row asked for logprobs; else per row, per token, the token's logprob with
+    # the top alternatives (as many as the row asked for, best first), or None for a row that
+    # did not ask.
+    logprobs: list[list[TokenLogprob | None]] | None = None
+
+    @classmethod
+    def concat(cls, parts: Iterable[SamplerOutput]) -> SamplerOutput:
+        """One batch's output from those of its parts, in order."""
+        parts = list(parts)
+        token_ids = [row for part in parts for row in part.token_ids]
+        if all(part.logprobs is None for part in parts):
+            return cls(token_ids)
+        logprobs = [
+            row
+            for part in parts
+            for row in (part.logprobs or [[None] * len(tokens) for tokens in part.token_ids])
+        ]
+        return cls(token_ids, logprobs)
 
 
 @dataclass
@@ -99,7 +117,8 @@ class Distributions:
 
 
 class Sampler:
-    """``sample(logits [B, V], prepare(seqs, device)) -> SamplerOutput``, row i for seqs[i].
+    """``sample(logits [B, V], prepare(seqs, device)) -> SamplerOutput``, row i for seqs[i]
+    (one token per row; with drafts to verify, yaie/spec/decoder.py makes the step's output).
 
     Keeps a few [B, V] work buffers between calls (see Workspace), sized by the largest batch
     seen: about 9 bytes per logit, e.g. 14 MB at batch 32 over 49,152 tokens.
@@ -144,7 +163,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` [B, V], which are left untouched."""
         if batch.plain_greedy:
-            return SamplerOutput(_argmax(logits).tolist())
+            return SamplerOutput([[token] for token in _argmax(logits).tolist()])
 
         # One working copy, processed in place from here on.
         work = _process(logits, batch, out=self._workspace.get("logits", logits, torch.float32))
@@ -166,11 +185,12 @@ class Sampler:
             token_ids = drawn if token_ids is None else torch.where(batch.greedy_mask, token_ids, drawn)
         assert token_ids is not None
 
-        output = SamplerOutput(token_ids.tolist())
-        if logprob_rows:
-            assert log_z is not None
-            output.logprobs = token_logprobs(work, log_z, token_ids, batch.logprobs, cut)
-        return output
+        rows = [[token] for token in token_ids.tolist()]
+        if not logprob_rows:
+            return SamplerOutput(rows)
+        assert log_z is not None
+        logprobs = token_logprobs(work, log_z, token_ids, batch.logprobs, cut)
+        return SamplerOutput(rows, [[entry] for entry in logprobs])
 
     @torch.inference_mode()
     def distributions(self, logits: torch.Tensor, batch: SamplingBatch) -> Distributions:
