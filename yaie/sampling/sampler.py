@@ -34,7 +34,8 @@ the random number of each seeded row from its own generator. In order:
    from it, the others from the global RNG; so a row's token depends only on its own logits,
    parameters and u, and a seed gives the same tokens whatever else is in the batch and at
    whatever row. One number per row also replaces the V exponentials per row that an
-   exponential race (argmax p / E) needs: those alone take ~20 ms at 32 x 49,152 on a CPU.
+   exponential race (argmax p / E) needs, which at a batch of a large vocabulary cost more
+   than the rest of the sampler (benchmarks/sampler.py).
 5. Logprobs (logprobs.py), for rows that asked: log_softmax of the processed logits divided by
    the row's temperature (1 for greedy rows), taken before the truncation of stage 3 so that
    every alternative has a finite value (the distribution actually drawn from is this one
@@ -43,8 +44,8 @@ the random number of each seeded row from its own generator. In order:
 
 When every row is greedy with nothing to apply (no bias, penalties, active min_tokens or
 logprobs), the step is a single argmax. Greedy argmaxes of float32 rows on the CPU take the native
-kernel (yaie/model/csrc/argmax.cpp: the same indices; at 32 rows of a 49k vocabulary the greedy
-step fell from ~1.4 to ~0.2 ms, benchmarks/results/argmax-revisions.txt).
+kernel (yaie/model/csrc/argmax.cpp: the same indices, several times faster than torch's at a
+batch of a large vocabulary; benchmarks/results/argmax-revisions.txt).
 
 `Sampler.distributions` runs stages 1-3 alone and returns each row's distribution as
 probabilities, for callers that decide tokens themselves (speculative decoding's verifier and
@@ -221,10 +222,9 @@ class Sampler:
         threshold = _draw_threshold(work, cut, batch)
         if cut.fits is not None and len(cut.rows) == batch.greedy.count(False) and bool(cut.fits.all()):
             # Every sampled row keeps only some of its top candidates: draw among those. This
-            # second path pays: with it, `benchmarks/sampler.py --threads 1` at batch 32 ran
-            # "all controls" (top_k 50) and "top-p only" 2.4-2.8x faster than with every row
-            # drawn over full rows (the exponentials, mask and chunk sums of [B, V] cost more
-            # than a topk this narrow).
+            # second path pays (`benchmarks/sampler.py --threads 1`, "all controls" and "top-p
+            # only", against every row drawn over full rows): the exponentials, mask and chunk
+            # sums of [B, V] cost more than a topk this narrow.
             assert threshold is not None and cut.values is not None and cut.ids is not None
             index = torch.tensor(cut.rows, device=work.device)
             drawn = torch.zeros(batch.num_rows, dtype=torch.long, device=work.device)
