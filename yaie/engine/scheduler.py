@@ -14,6 +14,13 @@ A request with n > 1 choices arrives as n sequences with the same prompt. Only t
 queued; its siblings wait until it has computed the prompt and then share its KV blocks, so the
 prompt is computed once, not n times.
 
+`schedule()` returns the step's plan, a frozen `SchedulerOutput`: what each sequence computes,
+as of when the plan was made. With speculative decoding the scheduler's `Drafter` proposes
+draft tokens for the step's decoding sequences while the plan is made, and the plan holds as
+many of them as the budget and the free blocks allow. After the step, `update(plan, finished)`
+records it and releases exactly the sequences the step finished; aborts and failures between
+steps come through `finish`, from the engine that owns the requests.
+
 Pure Python on purpose: no torch here, so every policy is unit-tested in milliseconds.
 """
 
