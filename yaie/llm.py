@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from yaie.config import EngineConfig
 from yaie.engine.engine import Engine
@@ -29,13 +29,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        one = _is_one_prompt(prompts)
+        batch = [cast(Prompt, prompts)] if one else cast("Sequence[Prompt]", prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+            sampling_params = [sampling_params or SamplingParams()] * len(batch)
+        if len(sampling_params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(sampling_params)} sampling params")
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(batch, sampling_params, strict=True)]
         return self._run(ids)
 
     def chat(
@@ -44,8 +44,11 @@ class LLM:
         sampling_params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         """Like generate, with each conversation formatted by the model's own chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.encode_chat(conversation) for conversation in conversations]  # type: ignore[arg-type]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = cast("list[list[dict[str, str]]]", messages)
+        prompts: list[Prompt] = [self.encode_chat(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -64,3 +67,8 @@ class LLM:
                     self.engine.abort(request_id)
             raise
         return [done[request_id] for request_id in request_ids]
+
+
+def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
+    """A text, or a list of token ids (rather than a list of prompts)."""
+    return isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))

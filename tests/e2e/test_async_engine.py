@@ -17,6 +17,7 @@ from yaie.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverl
 from yaie.engine.engine import Engine
 from yaie.outputs import RequestOutput
 from yaie.server.app import build_app
+from yaie.structured.spec import StructuredOutputs
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +78,54 @@ def test_engine_is_built_and_run_on_one_thread(llm: LLM) -> None:
     assert len(threads) >= 2
     assert threading.main_thread() not in threads
     assert len(set(threads)) == 1
+
+
+def test_nothing_calls_the_engine_off_its_thread(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine is not thread-safe: tokenizing, chat templates and grammar compiles run on the
+    # tokenizer threads through the input processor, and only what they produce reaches the
+    # engine, on its own thread.
+    engine = llm.engine
+    callers: dict[str, set[str]] = {}
+
+    def recording(name: str, original: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            callers.setdefault(name, set()).add(threading.current_thread().name)
+            return original(*args)
+
+        return call
+
+    for name in ("add_request", "add_processed_request", "abort", "step", "stats", "encode_chat",
+                 "has_unfinished_requests"):  # fmt: skip
+        monkeypatch.setattr(engine, name, recording(name, getattr(engine, name)))
+    processor_threads: set[str] = set()
+    original_process = engine.input_processor.process
+
+    def process(*args: object) -> object:
+        processor_threads.add(threading.current_thread().name)
+        return original_process(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.input_processor, "process", process)
+    structured = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(choice=["yes", "no"])
+    )
+
+    async def use_everything(async_engine: AsyncEngine) -> None:
+        chat = await async_engine.encode_chat([{"role": "user", "content": "Is the sky blue?"}])
+        await drain(async_engine.generate("chat", chat, structured))
+        await drain(async_engine.generate("text", "Hi", SamplingParams(max_tokens=2)))
+        stream = await async_engine.add_request("stopped", "Once upon a time", LONG)
+        await anext(stream)
+        stream.close()  # an abort
+        await async_engine.snapshot()
+        await async_engine.decode(chat)
+        assert await wait_idle(async_engine)
+
+    with running_engine(lambda: engine) as async_engine:
+        asyncio.run(use_everything(async_engine))
+    assert not engine.requests
+    assert {"add_processed_request", "abort", "step"} <= set(callers)
+    assert set().union(*callers.values()) == {"yaie-engine"}
+    assert processor_threads and all(name.startswith("yaie-tokenize") for name in processor_threads)
 
 
 def test_a_failing_build_raises_from_the_constructor() -> None:

@@ -71,7 +71,7 @@ def patched(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str
             seqs_of = lambda seqs, device: list(seqs)  # noqa: E731
             monkeypatch.setattr(engine.sampler, "prepare", failing_for_bad(engine.sampler.prepare, seqs_of))
         else:
-            original = engine.output_processor.new_request
+            original = engine._new_request
 
             def new_request(request_id: str, *args: Any) -> Any:
                 request = original(request_id, *args)
@@ -83,7 +83,7 @@ def patched(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str
             def failing_token(token_id: int) -> str:
                 raise Boom("injected")
 
-            monkeypatch.setattr(engine.output_processor, "new_request", new_request)
+            monkeypatch.setattr(engine, "_new_request", new_request)
 
     yield patch
 

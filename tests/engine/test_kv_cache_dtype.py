@@ -9,7 +9,7 @@ import torch
 from tests.engine.engine_helpers import assert_no_leak
 from yaie import LLM, SamplingParams
 from yaie.config import EngineConfig
-from yaie.engine.engine import resolve_kv_cache_dtype
+from yaie.engine.resources import resolve_kv_cache_dtype
 
 
 @pytest.mark.slow

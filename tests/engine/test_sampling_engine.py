@@ -128,11 +128,12 @@ class RecordingSampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         result = self.inner.sample(logits, batch)
         for row, seq in enumerate(self._seqs):
+            (token,) = result.token_ids[row]  # one token a row: this engine does not speculate
             step = Step(
                 logits[row].double().clone(),
                 list(seq.prompt_token_ids),
                 list(seq.output_token_ids),
-                result.token_ids[row],
+                token,
             )
             self.steps[id(seq.sampling_params)].append(step)
         return result

@@ -40,7 +40,8 @@ def test_kv_read_is_always_verified(
 ) -> None:
     pool = BlockPool(num_blocks)
     cache = RadixCache(pool, BLOCK)
-    scheduler = Scheduler(pool, BLOCK, 8, budget, prefix_cache=cache)
+    drafter = GuessingDrafter(guesses, max_tokens)
+    scheduler = Scheduler(pool, BLOCK, 8, budget, prefix_cache=cache, drafter=drafter)
     kv: dict[int, int] = {}  # slot -> token whose K/V it holds
     seqs = []
     for i, prompt in enumerate(prompts * 2):  # each prompt twice: the second may hit the cache
@@ -52,20 +53,18 @@ def test_kv_read_is_always_verified(
     while scheduler.has_unfinished():
         step += 1
         assert step < 2000, "no progress"
+        drafter.step = step
         out = scheduler.schedule()
-        for item in out.scheduled:
-            if item.samples and item.num_new_tokens == 1:
-                room = max_tokens - item.seq.num_output_tokens - 1
-                draft = guesses[step % len(guesses)][: max(0, room)]
-                scheduler.add_lookahead(out, item, draft)
         assert out.num_batched_tokens <= budget
         for item in out.scheduled:  # the forward: read the context, write the new slots
             seq, done, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            tokens = seq.all_token_ids + item.spec_token_ids
+            assert done == item.num_computed_tokens
+            tokens = seq.all_token_ids + list(item.spec_token_ids)
             for pos in range(done):
                 assert kv[_slot(seq, pos)] == tokens[pos], "read a K/V that is not the sequence's"
             for pos in range(done, done + n):
                 kv[_slot(seq, pos)] = tokens[pos]
+        finished: dict[Sequence, SequenceStatus] = {}
         for item in out.scheduled:  # verification and output processing
             if not item.samples:
                 continue
@@ -74,11 +73,12 @@ def test_kv_read_is_always_verified(
                 token = true_next(seq.all_token_ids)
                 seq.append_token(token)
                 if seq.num_output_tokens >= max_tokens:
-                    seq.status = SequenceStatus.FINISHED_LENGTH
+                    finished[seq] = SequenceStatus.FINISHED_LENGTH
                     break
                 if token != draft:
                     break
-        scheduler.update(out)
+        scheduler.update(out, finished)
+        assert all(seq.status is SequenceStatus.FINISHED_LENGTH for seq in finished)
         for seq in scheduler.running:
             assert len(seq.block_table) == scheduler.blocks_needed(seq.num_computed_tokens)
 
@@ -91,6 +91,21 @@ def test_kv_read_is_always_verified(
                 assert kv[block * BLOCK + offset] == seq.all_token_ids[index * BLOCK + offset]
         pool.free(blocks)
     assert pool.num_used == cache.num_cached_blocks  # nothing but the cache holds a block
+
+
+class GuessingDrafter:
+    """Drafts the step's guess for every decoding sequence, as many of its tokens as the
+    sequence's max_tokens leaves room for (the scheduler may keep fewer)."""
+
+    def __init__(self, guesses: list[list[int]], max_tokens: int) -> None:
+        self.guesses, self.max_tokens, self.step = guesses, max_tokens, 0
+
+    def propose(self, seqs: list[Sequence], room: int) -> list[list[int]]:
+        drafts = []
+        for seq in seqs:
+            left = self.max_tokens - seq.num_output_tokens - 1
+            drafts.append(self.guesses[self.step % len(self.guesses)][: max(0, left)])
+        return drafts
 
 
 def _slot(seq: Sequence, pos: int) -> int:

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from yaie.outputs import TokenLogprob
 from yaie.sampling import draw as draw_module
 from yaie.sampling import logprobs as logprobs_module
 from yaie.sampling import sampler as sampler_module
@@ -53,9 +54,25 @@ def make_seq(
     return Row(SamplingParams(**params), list(prompt or []), list(output or []), generator)  # type: ignore[arg-type]
 
 
-def run(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[Row]) -> SamplerOutput:
-    """One engine step's worth of sampling: prepare the batch, then sample it."""
-    return sampler.sample(logits, sampler.prepare(seqs, logits.device))
+@dataclass
+class Drawn:
+    """A sampler's output with its one token per row unwrapped."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None
+
+
+def one_per_row(out: SamplerOutput) -> Drawn:
+    assert all(len(tokens) == 1 for tokens in out.token_ids)
+    if out.logprobs is None:
+        return Drawn([token for (token,) in out.token_ids], None)
+    assert [len(row) for row in out.logprobs] == [1] * len(out.token_ids)
+    return Drawn([token for (token,) in out.token_ids], [entry for (entry,) in out.logprobs])
+
+
+def run(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[Row]) -> Drawn:
+    """One engine step's worth of sampling: prepare the batch, then sample it (one token a row)."""
+    return one_per_row(sampler.sample(logits, sampler.prepare(seqs, logits.device)))
 
 
 def draw_counts(logits: torch.Tensor, num: int = NUM_DRAWS, **params: object) -> torch.Tensor:
@@ -515,7 +532,7 @@ def test_distributions_are_what_the_draw_draws_from() -> None:
     assert dist.probs[greedy + 1, EOS] == 0
     torch.testing.assert_close(dist.probs[greedy + 1].double(), reference_probs(banned), atol=1e-6, rtol=0)
 
-    sampled = sampler.sample(logits, batch)
+    sampled = one_per_row(sampler.sample(logits, batch))
     assert dist.token_logprobs(sampled.token_ids, [3] * len(seqs)) == sampled.logprobs
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
 from yaie.engine.scheduler import Scheduler
@@ -176,3 +180,33 @@ def test_cached_blocks_are_evicted_before_anyone_is_preempted():
     assert run_step(s) == {"next": 16}
     # Two of the old blocks were evicted to make room; the new prompt's four are now cached too.
     assert s.num_preemptions == 0 and s.prefix_cache.num_cached_blocks == 2 + 4
+
+
+def test_update_releases_exactly_the_sequences_the_step_finished():
+    s = make_scheduler()
+    a, b = make_seq("a", 4), make_seq("b", 4, first_token=50)
+    s.add(a)
+    s.add(b)
+    s.update(s.schedule(), {a: SequenceStatus.FINISHED_STOPPED})
+    assert s.running == [b] and a.block_table == [] and a.status is SequenceStatus.FINISHED_STOPPED
+    assert s.pool.num_used == len(b.block_table) == 1
+    b.status = SequenceStatus.FINISHED_LENGTH  # a status alone releases nothing: only `finished` does
+    s.update(s.schedule())
+    assert s.running == [b] and len(b.block_table) == 1
+
+
+def test_a_plan_holds_what_was_planned_whatever_happens_after():
+    s = make_scheduler()
+    seq = make_seq("a", 10)
+    s.add(seq)
+    plan = s.schedule()
+    [item] = plan.scheduled
+    s.update(plan)
+    seq.append_token(7)
+    assert (item.num_computed_tokens, item.num_new_tokens, item.context_len) == (0, 10, 10)
+    assert item.samples and not item.decoding and item.num_appended_tokens() == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        item.num_new_tokens = 1  # type: ignore[misc]
+    [decode] = s.schedule().scheduled
+    facts = (decode.num_computed_tokens, decode.num_new_tokens, decode.samples, decode.decoding)
+    assert facts == (10, 1, True, True)

@@ -18,9 +18,19 @@ from yaie.sampling_params import SamplingParams
 BLOCK = 4
 
 
+class FixedDrafter:
+    """Drafts `draft` for every decoding sequence (none while it is empty)."""
+
+    def __init__(self) -> None:
+        self.draft: list[int] = []
+
+    def propose(self, seqs: list[Sequence], room: int) -> list[list[int]]:
+        return [list(self.draft) for _ in seqs]
+
+
 def make_scheduler(num_blocks: int = 64, budget: int = 64) -> Scheduler:
     pool = BlockPool(num_blocks)
-    return Scheduler(pool, BLOCK, 8, budget, prefix_cache=RadixCache(pool, BLOCK))
+    return Scheduler(pool, BLOCK, 8, budget, prefix_cache=RadixCache(pool, BLOCK), drafter=FixedDrafter())
 
 
 def add(scheduler: Scheduler, log: StepLog, name: str, prompt_len: int, first_token: int = 0) -> Sequence:
@@ -35,15 +45,14 @@ def step(scheduler: Scheduler, log: StepLog, draft: list[int] | None = None, kep
     """One engine step as Engine.step orders it, with the runner and sampler played by hand:
     each decoding sequence verifies `draft`, keeps its first `kept` tokens, then samples 7."""
     started = time.perf_counter()
+    assert isinstance(scheduler.drafter, FixedDrafter)
+    scheduler.drafter.draft = draft or []
     batch = scheduler.schedule()
-    for item in batch.scheduled:
-        if draft and item.samples and item.num_new_tokens == 1:
-            scheduler.add_lookahead(batch, item, draft)
     for item in batch.scheduled:
         if item.samples:
             for token in [*item.spec_token_ids[:kept], 7]:
                 item.seq.append_token(token)
-    generated = sum(item.num_generated_tokens() for item in batch.scheduled)
+    generated = sum(item.num_appended_tokens() for item in batch.scheduled)
     scheduler.update(batch)
     log.record(batch, generated, started, scheduler)
 

@@ -1,15 +1,19 @@
 """`AsyncEngine`: the synchronous Engine behind an asyncio API, for the server.
 
-The Engine is not thread-safe, so one background thread owns it. That thread loops: run the
-commands queued by the event loop (add, abort, ...), `step()` if anything is
-unfinished, and hand each output to its request's `asyncio.Queue` on the event loop. With
-nothing to do it sleeps on a condition variable, so an idle server costs no CPU.
+The Engine is not thread-safe, so one background thread owns it, and nothing else calls it.
+That thread loops: run the commands queued by the event loop (`AddRequests`, `Abort`,
+`TakeSnapshot`, `Shutdown`: named dataclasses, below), `step()` if anything is unfinished,
+and hand each output to its request's `asyncio.Queue` on the event loop. With nothing to do it
+sleeps on a condition variable, so an idle server costs no CPU. The tokenizer's work on a
+request (encoding, chat templates, grammar compiles, checks: the engine's `InputProcessor`,
+which is thread-safe) runs on a small pool of threads of its own before the request is handed
+to the engine thread.
 
 That thread also builds the Engine, so every torch call of the server comes from it. This is
 for speed, not safety: OpenMP keeps a pool of worker threads per calling thread, and once the
 process has more OpenMP threads than cores, libgomp stops spin-waiting and wakes its workers
-through the kernel at every parallel op. A model loaded on the main thread and run on this one
-decodes ~40% slower on 2 cores (benchmarks/thread_pools.py measures it).
+through the kernel at every parallel op: a model loaded on the main thread and run on this one
+decodes markedly slower (benchmarks/thread_pools.py measures it).
 
 Requests are streams: `add_request` returns a `RequestStream` once the engine has accepted the
 request (so a refused request raises before anything is streamed), and closing that stream
@@ -24,10 +28,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from yaie.engine.engine import Engine, EngineStats
+from yaie.engine.input_processor import ProcessedRequest
 from yaie.engine.snapshot import EngineSnapshots
 from yaie.errors import YaieError
 from yaie.outputs import RequestOutput
@@ -112,6 +118,43 @@ StreamEntry = tuple[asyncio.AbstractEventLoop, RequestStream]  # a stream and th
 Delivery = tuple[str, StreamEntry, Outcome]  # for one request
 
 
+# -- commands: what the event loop asks of the engine thread, run there between two steps -------
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    """Queue processed requests, all or none, each with the stream that gets its outputs.
+    `max_waiting` (sequences, every choice of every request) refuses them with
+    EngineOverloadedError when they would push the number waiting past it."""
+
+    requests: list[tuple[str, ProcessedRequest]]
+    streams: list[StreamEntry]
+    max_waiting: int | None
+    reply: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop a request and forget its stream (closed early, or its reader fell behind)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class TakeSnapshot:
+    """The engine's state for the engine view, and keep its step log recording for a while."""
+
+    reply: concurrent.futures.Future[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """End every stream with EngineClosedError and stop the thread."""
+
+
+Command = AddRequests | Abort | TakeSnapshot | Shutdown
+
+
 class AsyncEngine:
     """Runs an Engine on a background thread it owns until `shutdown()`.
 
@@ -123,8 +166,7 @@ class AsyncEngine:
 
     def __init__(self, make_engine: Callable[[], Engine]) -> None:
         self._wakeup = threading.Condition()
-        self._commands: deque[Callable[[], None]] = deque()  # guarded by _wakeup
-        self._stopping = False  # guarded by _wakeup
+        self._commands: deque[Command] = deque()  # guarded by _wakeup
         self._closed = False  # event-loop side: refuse new requests
         self._streams: dict[str, StreamEntry] = {}  # engine thread only
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
@@ -142,6 +184,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer  # decoding from other threads only reads it
         self.max_model_len = engine.model_info.max_model_len
         self.vocab_size = engine.model_info.vocab_size
+        # Thread-safe, and touches no engine state: the tokenizer threads run it.
+        self._input_processor = engine.input_processor
         self._snapshots = EngineSnapshots(engine)  # engine thread only
 
     # -- the event loop's side ----------------------------------------------------------------
@@ -161,41 +205,25 @@ class AsyncEngine:
         params: SamplingParams,
         max_waiting: int | None = None,
     ) -> list[RequestStream]:
-        """Queue (request id, prompt token ids) pairs together: all of them, or none. Their
-        structured outputs, if any, are compiled first on the tokenizer threads.
+        """Queue (request id, prompt token ids) pairs together: all of them, or none. They are
+        checked, and their structured outputs compiled, on the tokenizer threads first, so
+        that a new schema holds up no step.
 
         `max_waiting` counts sequences, every choice of every request: EngineOverloadedError
         (retry later) when these would push the number waiting past it.
         """
         if self._closed:
             raise EngineClosedError("the server is shutting down")
-        spec = params.structured_outputs
-        if spec is not None:
-            # Compiled here, off the engine thread, so that a new schema holds up no step; the
-            # engine finds it in its cache when it adds the requests.
-            await self._off_thread(lambda: self._engine.compile_grammar(spec))
-        num_seqs = len(requests) * params.n
+        processor = self._input_processor
+        processed = await self._off_thread(
+            lambda: [(request_id, processor.process(token_ids, params)) for request_id, token_ids in requests]
+        )
         loop = asyncio.get_running_loop()
         streams = [RequestStream(request_id, self) for request_id, _ in requests]
-
-        def add(engine: Engine) -> None:
-            # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
-            if max_waiting is not None and engine.stats().num_waiting + num_seqs > max_waiting:
-                raise EngineOverloadedError(f"{max_waiting} sequences are already waiting; retry later")
-            added: list[str] = []
-            try:
-                for (request_id, token_ids), stream in zip(requests, streams, strict=True):
-                    engine.add_request(request_id, token_ids, params)
-                    added.append(request_id)
-                    self._streams[request_id] = (loop, stream)
-            except BaseException:
-                for request_id in added:
-                    self._streams.pop(request_id, None)
-                    engine.abort(request_id)
-                raise
-
+        reply: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(AddRequests(processed, [(loop, stream) for stream in streams], max_waiting, reply))
         try:
-            await self._call(add)
+            await asyncio.wrap_future(reply)
         except asyncio.CancelledError:
             for stream in streams:
                 stream.close()  # the add may have happened just before the caller went away
@@ -213,22 +241,23 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    # Tokenizing runs on a small pool of its own threads, never on the engine's or the event
-    # loop's: the Rust tokenizer releases the GIL, so a huge input costs only its own request.
-    # These only read the tokenizer, as the engine thread does when it detokenizes.
+    # The tokenizer's work runs on a small pool of its own threads, never on the engine's or
+    # the event loop's: the Rust tokenizer releases the GIL, so a huge input costs only its own
+    # request. The input processor only reads the tokenizer, as the engine thread does when it
+    # detokenizes.
 
     async def encode(self, text: str) -> list[int]:
         """Token ids of `text`, exactly as the engine tokenizes a prompt string."""
-        return await self._off_thread(lambda: list(self.tokenizer(text).input_ids))
+        return await self._off_thread(lambda: self._input_processor.encode(text))
 
     async def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """Token ids of a conversation through the model's chat template (Engine.encode_chat)."""
-        return await self._off_thread(lambda: self._engine.encode_chat(messages, tools))
+        """Token ids of a conversation through the model's chat template (InputProcessor.encode_chat)."""
+        return await self._off_thread(lambda: self._input_processor.encode_chat(messages, tools))
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._off_thread(lambda: self.tokenizer.decode(token_ids))
+        return await self._off_thread(lambda: self._input_processor.decode(token_ids))
 
     async def _off_thread(self, fn: Callable[[], T]) -> T:
         if self._closed:
@@ -240,12 +269,9 @@ class AsyncEngine:
         steps. Asking for it keeps the engine's step log recording for a few seconds."""
         if self._closed:
             raise EngineClosedError("the server is shutting down")
-
-        def take(engine: Engine) -> dict[str, Any]:
-            engine.step_log.watch()
-            return self._snapshots.take()
-
-        return await self._call(take)
+        reply: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self._submit(TakeSnapshot(reply))
+        return await asyncio.wrap_future(reply)
 
     @property
     def is_running(self) -> bool:
@@ -258,36 +284,14 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Refuse new requests, end every stream with EngineClosedError, and stop the thread."""
         self._closed = True
-        with self._wakeup:
-            self._commands.append(lambda: self._fail_all(EngineClosedError("the server is shutting down")))
-            self._stopping = True
-            self._wakeup.notify()
+        self._submit(Shutdown())
         self._thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _call(self, fn: Callable[[Engine], T]) -> T:
-        """Run `fn(engine)` on the engine thread, between two steps, and return its result."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def command() -> None:
-            if not future.set_running_or_notify_cancel():
-                return  # the caller stopped waiting
-            try:
-                future.set_result(fn(self._engine))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self._submit(command)
-        return await asyncio.wrap_future(future)
-
     def _abort(self, request_id: str) -> None:
-        def abort() -> None:
-            self._streams.pop(request_id, None)
-            self._engine.abort(request_id)
+        self._submit(Abort(request_id))
 
-        self._submit(abort)
-
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: Command) -> None:
         with self._wakeup:
             self._commands.append(command)
             self._wakeup.notify()
@@ -313,20 +317,55 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._commands or self._stopping or self._engine.has_unfinished_requests()):
+                while not (self._commands or self._engine.has_unfinished_requests()):
                     self._wakeup.wait()
-                commands, stopping = list(self._commands), self._stopping
+                commands = list(self._commands)
                 self._commands.clear()
             for command in commands:
                 try:
-                    command()  # those with a caller waiting hand their errors to it
+                    self._execute(command)
                 except Exception:
-                    logger.exception("engine command failed")
-            if stopping:
+                    logger.exception("engine command %s failed", type(command).__name__)
+            if any(isinstance(command, Shutdown) for command in commands):
                 return
             if self._engine.has_unfinished_requests():
                 self._step()
             self._stats = self._engine.stats()
+
+    def _execute(self, command: Command) -> None:
+        """Run one command; one with a caller waiting hands its result or error to it."""
+        if isinstance(command, Shutdown):
+            self._fail_all(EngineClosedError("the server is shutting down"))
+        elif isinstance(command, Abort):
+            self._streams.pop(command.request_id, None)
+            self._engine.abort(command.request_id)
+        elif isinstance(command, AddRequests):
+            _reply(command.reply, lambda: self._add(command))
+        else:
+
+            def take() -> dict[str, Any]:
+                self._engine.step_log.watch()
+                return self._snapshots.take()
+
+            _reply(command.reply, take)
+
+    def _add(self, command: AddRequests) -> None:
+        engine = self._engine
+        num_seqs = sum(processed.params.n for _, processed in command.requests)
+        # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
+        if command.max_waiting is not None and engine.stats().num_waiting + num_seqs > command.max_waiting:
+            raise EngineOverloadedError(f"{command.max_waiting} sequences are already waiting; retry later")
+        added: list[str] = []
+        try:
+            for (request_id, processed), entry in zip(command.requests, command.streams, strict=True):
+                engine.add_processed_request(request_id, processed)
+                added.append(request_id)
+                self._streams[request_id] = entry
+        except BaseException:
+            for request_id in added:
+                self._streams.pop(request_id, None)
+                engine.abort(request_id)
+            raise
 
     def _step(self) -> None:
         try:
@@ -376,6 +415,16 @@ class AsyncEngine:
             except Exception:  # keep failing the others; this one gets its error regardless
                 logger.exception("could not abort request %s", request_id)
         self._deliver([(request_id, entry, error) for request_id, entry in streams.items()])
+
+
+def _reply(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
+    """Hand `fn()`, or what it raised, to the caller waiting on `future`, if it still waits."""
+    if not future.set_running_or_notify_cancel():
+        return  # the caller stopped waiting
+    try:
+        future.set_result(fn())
+    except BaseException as exc:
+        future.set_exception(exc)
 
 
 def _put_all(items: list[tuple[RequestStream, Outcome]]) -> None:

@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)  # tokens before this are already emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; return the text it completes (maybe empty)."""

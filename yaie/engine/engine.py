@@ -1,59 +1,62 @@
-"""The engine: requests in, outputs out, one `step()` at a time.
+"""The engine: requests in, outputs out, one `step()` at a time. It owns every request's life.
 
     step() = scheduler.schedule() -> runner.execute() -> sampler.sample()
              -> output_processor.process() -> scheduler.update()
 
-With speculative decoding on (yaie.spec), a propose stage follows the schedule and the
-decoding sequences' drafts are verified instead of sampled; see yaie/spec/decoder.py.
+The engine holds the request table: `add_request` makes a request's sequences and queues them
+with the scheduler; `step` runs the five stages; finished requests leave the table when their
+last output is made, and an abort or a failure goes through the engine, which tells the
+scheduler what to free. The scheduler plans which sequences compute which tokens (an immutable
+`SchedulerOutput`; with speculative decoding it holds the drafts to verify, yaie/spec/decoder.py),
+the runner runs the plan through the model, the sampler draws each sampling sequence's tokens,
+the output processor appends them, applies the stop rules and makes the outputs, returning the
+sequences that finished, and the scheduler records the step and frees exactly those.
 
-The scheduler picks which sequences compute which tokens, the runner runs them through the model,
-the sampler draws each sampling sequence's next token, the output processor appends the tokens,
-applies the stop rules and makes the outputs, and the scheduler records the step (KV progress,
-finished sequences released). The engine is synchronous and single-threaded; `LLM` loops over
-it, the async server drives it from a background thread.
+The engine is synchronous and single-threaded: only its own thread calls it (`LLM` loops over
+it, the server drives it from `AsyncEngine`'s thread). The tokenizer's work on a request
+(encoding, chat templates, grammar compiles, checks) is the `InputProcessor`'s, which is
+thread-safe, so the server runs it elsewhere and hands the engine a processed request.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from jinja2 import TemplateError
 
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
 from yaie.config import EngineConfig
+from yaie.engine.detokenizer import IncrementalDetokenizer
+from yaie.engine.input_processor import InputProcessor, ProcessedRequest
 from yaie.engine.model_runner import ModelRunner, RunnerOutput
-from yaie.engine.output_processor import OutputProcessor
+from yaie.engine.output_processor import OutputProcessor, fail, unfinished_seqs
+from yaie.engine.request import Choice, Request
+from yaie.engine.resources import (
+    max_model_len,
+    num_kv_blocks,
+    resolve_device_and_dtype,
+    resolve_kv_cache_dtype,
+)
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
-from yaie.engine.sequence import SequenceStatus
+from yaie.engine.sequence import Sequence
 from yaie.engine.step_log import StepLog
 from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.errors import InvalidRequestError
 from yaie.model.loader import LoadProgress, load_model, resolve_model_path
-from yaie.outputs import RequestOutput
+from yaie.outputs import RequestOutput, TokenLogprob
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
 from yaie.spec.config import SpeculativeConfig
 from yaie.spec.decoder import SpecDecodeStats, SpeculativeDecoder
 from yaie.spec.proposers import PROPOSERS, TargetInfo, TargetModel
-from yaie.spec.verify import StepTokens
-from yaie.structured.backend import Grammar, GrammarCompiler
-from yaie.structured.spec import StructuredOutputs
-from yaie.structured.tools import hermes_messages, template_knows_tools
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_FRACTION = 0.25
-DEFAULT_CPU_KV_CAP = 2 << 30  # ~45k tokens of SmolLM2-135M in fp32; zeroing it costs ~1 s
-DEFAULT_GPU_KV_FRACTION = 0.85
 
 
 @dataclass(frozen=True)
@@ -96,44 +99,6 @@ class ModelInfo:
     kv_cache_dtype: str  # what the KV cache stores: "float32", "bfloat16", "float16"
 
 
-def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
-    )
-    if dtype == "auto":
-        # These CPUs have no native bf16 maths: float32 is both exact and faster there.
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
-    return dev, names[dtype]
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, quantized: bool) -> torch.dtype:
-    """The KV cache's element type for a KV_CACHE_DTYPES name (EngineConfig checked it).
-
-    "auto" is `dtype`, the model's compute dtype, except under quantized weights computing in
-    float32: there float16, as llama.cpp's default cache. The weights are rounded far more than
-    16 bits round K/V (the bundled Q4_1 model's perplexity moved by 0.07% with a float16 cache:
-    benchmarks/perplexity.py --kv-cache-dtype, README), and at many sequences decode attention
-    reads the whole cache every step, so half the bytes make a faster step. float16 rather than
-    bfloat16 for its three more significand bits. Dense weights keep their own dtype:
-    `--quantization none` is exact transformers parity.
-    """
-    if kv_cache_dtype == "auto":
-        return torch.float16 if quantized and dtype == torch.float32 else dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[kv_cache_dtype]
-
-
-def default_kv_cache_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_GPU_KV_FRACTION)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(int(available * DEFAULT_CPU_KV_FRACTION), DEFAULT_CPU_KV_CAP)
-
-
 class Engine:
     def __init__(self, config: EngineConfig | None = None, load_progress: LoadProgress | None = None) -> None:
         """`load_progress`: called with (tensors loaded, total) while the model loads."""
@@ -154,20 +119,12 @@ class Engine:
             config.model, self.dtype, self.device, max_positions=config.max_model_len, progress=load_progress,
             quantization=config.quantization,
         )  # fmt: skip
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-
+        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         quantized = loaded.quantization != "none"
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, quantized)
-        block_bytes = ModelRunner.bytes_per_block(loaded.config, config.block_size, self.kv_dtype)
-        num_blocks = (
-            config.num_kv_blocks
-            or (config.kv_cache_memory or default_kv_cache_memory(self.device)) // block_bytes
-        )
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget is smaller than one block ({block_bytes} bytes)")
-        self.kv_block_bytes = block_bytes
-        self.max_model_len = self._max_model_len(num_blocks)
+        self.kv_block_bytes = ModelRunner.bytes_per_block(loaded.config, config.block_size, self.kv_dtype)
+        num_blocks = num_kv_blocks(config, self.device, self.kv_block_bytes)
+        self.max_model_len = max_model_len(config, loaded.config, num_blocks)
         self.weight_bytes = loaded.weight_bytes
         self.model_info = ModelInfo(
             loaded.path, self.model_config.architecture, self.max_model_len, self.model_config.vocab_size,
@@ -176,16 +133,8 @@ class Engine:
         )  # fmt: skip
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.kv_dtype)
         logger.info(
-            "KV cache: %d blocks of %d tokens, %s, %.1f MiB",
-            num_blocks, config.block_size, self.model_info.kv_cache_dtype, num_blocks * block_bytes / 2**20,
-        )  # fmt: skip
-        self.block_pool = BlockPool(num_blocks)
-        prefix_cache = None
-        if config.enable_prefix_caching:
-            prefix_cache = RadixCache(self.block_pool, config.block_size)
-        self.scheduler = Scheduler(
-            self.block_pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-            prefix_cache=prefix_cache,
+            "KV cache: %d blocks of %d tokens, %s, %.1f MiB", num_blocks, config.block_size,
+            self.model_info.kv_cache_dtype, num_blocks * self.kv_block_bytes / 2**20,
         )  # fmt: skip
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -194,27 +143,27 @@ class Engine:
         if spec_config is not None:
             target = TargetInfo(
                 self.model_config.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
-                num_blocks, self.max_model_len, frozenset(self.eos_token_ids),
-                target_model, quantized,
+                num_blocks, self.max_model_len, frozenset(self.eos_token_ids), target_model, quantized,
             )  # fmt: skip
-            self.speculator = SpeculativeDecoder.create(spec_config, target, self.scheduler)
+            self.speculator = SpeculativeDecoder.create(spec_config, target)
+        self.block_pool = BlockPool(num_blocks)
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            prefix_cache = RadixCache(self.block_pool, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            prefix_cache=prefix_cache, drafter=self.speculator,
+        )  # fmt: skip
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config.vocab_size, self.max_model_len, self.eos_token_ids
+        )
         self.sampler = Sampler(self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}  # the unfinished requests, by id
+        self._failed: list[RequestOutput] = []  # outputs of requests failed since the last step's outputs
         self._ids = itertools.count()
-        self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured request
-        self._grammar_compiler_lock = threading.Lock()
         self.step_log = StepLog()  # records steps only while the engine view watches
         self.step_totals = StepTotals()
-
-    def _max_model_len(self, num_blocks: int) -> int:
-        cfg = self.model_config
-        limit = self.config.max_model_len or cfg.max_position_embeddings
-        if cfg.sliding_window:  # we attend to the whole context, which is exact only inside the window
-            limit = min(limit, cfg.sliding_window)
-        capacity = num_blocks * self.config.block_size
-        if capacity < limit:
-            logger.warning("KV cache holds %d tokens; limiting max_model_len from %d", capacity, limit)
-        return min(limit, capacity)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -222,102 +171,65 @@ class Engine:
         self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError for input we refuse."""
-        params = params or SamplingParams()
+        return self.add_processed_request(
+            request_id, self.input_processor.process(prompt, params or SamplingParams())
+        )
+
+    def add_processed_request(self, request_id: str | None, processed: ProcessedRequest) -> str:
+        """Queue a request the input processor made ready (perhaps on another thread); returns
+        its id."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.output_processor.requests:
+        if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        self._check_request(token_ids, params)
-        grammar = self.compile_grammar(params.structured_outputs) if params.structured_outputs else None
-        request = self.output_processor.new_request(request_id, text, token_ids, params)
+        request = self._new_request(request_id, processed)
+        self.requests[request_id] = request
         seqs = [choice.seq for choice in request.choices]
-        if grammar is not None:
-            for seq in seqs:
-                seq.grammar = grammar.matcher()
-        if params.seed is not None:
-            for seq in seqs:
-                # Any integer is a valid seed: fold it into the 64 bits a generator takes.
-                seq.generator = torch.Generator(self.device).manual_seed((params.seed + seq.index) % 2**64)
         self.scheduler.add(seqs[0], siblings=seqs[1:])
         self.step_log.arrived(request_id)
         return request_id
 
-    def compile_grammar(self, spec: StructuredOutputs) -> Grammar:
-        """The compiled grammar for `spec`, cached; raises InvalidRequestError for one the grammar
-        library refuses. Thread-safe: the server calls it off the engine thread before adding a
-        request, so that compiling a new schema never holds up a step, and `add_request` then
-        finds it cached."""
-        with self._grammar_compiler_lock:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(
-                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
-                )
-        return self._grammar_compiler.compile(spec)
+    def _new_request(self, request_id: str, processed: ProcessedRequest) -> Request:
+        """The request with its n choices: a sequence for the scheduler each, with its own
+        grammar matcher and seeded generator where the request has them."""
+        params, prompt_token_ids = processed.params, processed.prompt_token_ids
+        request = Request(request_id, processed.prompt, prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        for index in range(params.n):
+            seq = Sequence(f"{request_id}-{index}", prompt_token_ids, params, request_id, index)
+            if processed.grammar is not None:
+                seq.grammar = processed.grammar.matcher()
+            if params.seed is not None:
+                # Any integer is a valid seed: fold it into the 64 bits a generator takes.
+                seq.generator = torch.Generator(self.device).manual_seed((params.seed + index) % 2**64)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+            request.choices.append(Choice(seq, detokenizer, logprobs=logprobs))
+        return request
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """Token ids of a conversation through the model's own chat template, ready to answer.
-        `tools` (OpenAI tool definitions) go to a template that renders them; for one that does
-        not, they, the calls and the tool results are written in the Hermes style
-        (yaie/structured/tools.py)."""
-        if not messages:
-            raise InvalidRequestError("messages must not be empty", "messages")
-        template = getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise InvalidRequestError("this model has no chat template; use a plain prompt", "messages")
-        extra: dict[str, Any] = {}
-        if template_knows_tools(template):
-            extra = {"tools": tools} if tools else {}
-        elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            messages = hermes_messages(messages, tools)
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **extra
-            )
-        except TemplateError as exc:  # templates raise on conversations they do not accept
-            raise InvalidRequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """What only the model knows: the vocabulary and the context length. (SamplingParams
-        checks its own values.) This is the one place token ids are checked against the vocabulary."""
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            if any(t >= vocab for t in ids):
-                raise InvalidRequestError(
-                    f"{name}: token ids must be below the vocabulary size {vocab}", param=name
-                )
-        room = self.max_model_len - len(token_ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len}",
-                "prompt",
-            )
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds this "
-                f"model's context of {self.max_model_len} tokens",
-                "max_tokens",
-            )
+        """Token ids of a conversation through the model's chat template (InputProcessor.encode_chat)."""
+        return self.input_processor.encode_chat(messages, tools)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now; False if it is not (or no longer) running."""
-        request = self.output_processor.pop(request_id)
+        request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        for choice in request.choices:
-            if not choice.seq.status.finished:
-                self.scheduler.finish(choice.seq, SequenceStatus.FINISHED_ABORTED)
+        for seq, status in unfinished_seqs(request).items():
+            self.scheduler.finish(seq, status)
         return True
 
+    def _fail(self, request: Request, error: str) -> None:
+        """Finish a request with an error between two stages of a step: its sequences are freed
+        now, and its last output, carrying `error`, goes out with the step's outputs."""
+        self.abort(request.request_id)
+        self._failed.append(fail(request, error))
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests)
+        return bool(self.requests)
 
     def stats(self) -> EngineStats:
         pool = self.block_pool
@@ -337,83 +249,70 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        watched, started = self.step_log.watched, time.perf_counter()
-        batch = self.scheduler.schedule()
-        if self.speculator is not None:
-            self.speculator.propose(batch)
-        model_output, sampled = self._forward(batch)
-        outputs = self.output_processor.process(batch, model_output, sampled)
-        if self.speculator is not None:
-            self.speculator.record(batch)
-        # Counted before the update moves the counts they are computed from.
-        generated = sum(item.num_generated_tokens() for item in batch.scheduled) if watched else 0
-        shape = StepShape.of(batch.scheduled)
-        self.scheduler.update(batch)
-        if shape.num_tokens:
-            self.step_totals.add(shape, time.perf_counter() - started)
-        if watched:
-            self.step_log.record(batch, generated, started, self.scheduler)
+        """schedule -> run -> sample -> process outputs -> update."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        plan, model_output, sampled = self._forward(plan)  # run and sample, failing requests alone
+        outputs, finished = self.output_processor.process(self.requests, plan, model_output, sampled)
+        self.scheduler.update(plan, finished)
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
+        self._record(plan, started)
+        outputs, self._failed = outputs + self._failed, []
         return outputs
 
-    def _forward(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:
-        """Run the model and draw the next tokens for the batch.
+    def _record(self, plan: SchedulerOutput, started: float) -> None:
+        """Count the step: speculation's acceptance, the step totals, the engine view's log."""
+        if self.speculator is not None:
+            self.speculator.record(plan)
+        shape = StepShape.of(plan.scheduled)
+        if shape.num_tokens:
+            self.step_totals.add(shape, time.perf_counter() - started)
+        if self.step_log.watched:
+            self.step_log.record(
+                plan, sum(item.num_appended_tokens() for item in plan.scheduled), started, self.scheduler
+            )
+
+    def _forward(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, RunnerOutput, SamplerOutput]:
+        """Run the model and draw the next tokens for the plan.
 
         Neither touches a sequence's state (the K/V slots they write are written again, with
-        the same values, if a sequence runs again), so when the batch fails it can be redone
+        the same values, if a sequence runs again), so when the plan fails it can be redone
         sequence by sequence: the one that still fails alone fails its request only, and is
-        dropped from the batch; everyone else gets exactly the tokens the whole batch would
-        have given them (seeded generators are rewound to where the step began)."""
-        seeded = [(s.generator, s.generator.get_state()) for s in batch.sampling_seqs if s.generator]
+        dropped from the plan (with its request's other choices); everyone else gets exactly
+        the tokens the whole plan would have given them (seeded generators are rewound to where
+        the step began). Returns the plan that ran, with its results."""
+        seeded = [(s.generator, s.generator.get_state()) for s in plan.sampling_seqs if s.generator]
         try:
-            return self._forward_batch(batch)
+            return (plan, *self._forward_plan(plan))
         except Exception:
-            logger.exception("a step of %d sequences failed; retrying one at a time", len(batch.scheduled))
+            logger.exception("a step of %d sequences failed; retrying one at a time", len(plan.scheduled))
         for generator, state in seeded:
             generator.set_state(state)
-        survivors, results = [], []
-        for item in batch.scheduled:
+        results = []
+        for item in plan.scheduled:
             try:
-                results.append(self._forward_batch(SchedulerOutput([item], [])))
-                survivors.append(item)
+                results.append((item, self._forward_plan(SchedulerOutput((item,)))))
             except Exception as exc:
-                request_id = item.seq.request_id
                 logger.exception("sequence %s failed alone: failing its request", item.seq.seq_id)
-                self.output_processor.fail(request_id, f"the engine failed on this request: {exc!r}")
+                request = self.requests.get(item.seq.request_id)
+                if request is not None:
+                    self._fail(request, f"the engine failed on this request: {exc!r}")
         # A failed request's other choices may have run fine: they go too.
-        kept = [
-            (item, out)
-            for item, out in zip(survivors, results, strict=True)
-            if not item.seq.status.finished
-        ]
-        batch.scheduled = [item for item, _ in kept]
-        return merge_forward_results([out for _, out in kept], self.device, self.model_config.vocab_size)
+        kept = [(item, result) for item, result in results if item.seq.request_id in self.requests]
+        runs = [result for _, result in kept]
+        logits = [model_output.logits for model_output, _ in runs]
+        model_output = RunnerOutput(
+            torch.cat(logits) if logits else torch.empty(0, self.model_config.vocab_size, device=self.device),
+            [entry for model_output, _ in runs for entry in model_output.prompt_logits],
+        )
+        sampled = SamplerOutput.concat(sampled for _, sampled in runs)
+        return replace(plan, scheduled=tuple(item for item, _ in kept)), model_output, sampled
 
-    def _forward_batch(self, batch: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:
-        model_output = self.runner.execute(batch)
-        if self.speculator is not None and self.speculator.speculating:
-            return model_output, self.speculator.sample(batch, model_output.logits, self.sampler, self.device)
-        sampling_batch = self.sampler.prepare(batch.sampling_seqs, self.device)
+    def _forward_plan(self, plan: SchedulerOutput) -> tuple[RunnerOutput, SamplerOutput]:
+        model_output = self.runner.execute(plan)
+        if self.speculator is not None and plan.has_drafts:
+            return model_output, self.speculator.sample(plan, model_output.logits, self.sampler)
+        sampling_batch = self.sampler.prepare(plan.sampling_seqs, self.device)
         return model_output, self.sampler.sample(model_output.logits, sampling_batch)
-
-
-def merge_forward_results(
-    results: list[tuple[RunnerOutput, SamplerOutput | StepTokens]], device: torch.device, vocab_size: int
-) -> tuple[RunnerOutput, SamplerOutput | StepTokens]:
-    """One batch's results from those of its parts, in order."""
-    logits = [runner.logits for runner, _ in results]
-    model_output = RunnerOutput(
-        torch.cat(logits) if logits else torch.empty(0, vocab_size, device=device),
-        [entry for runner, _ in results for entry in runner.prompt_logits],
-    )
-    parts = [sampled for _, sampled in results]
-    plain = [sampled for sampled in parts if isinstance(sampled, SamplerOutput)]
-    if len(plain) < len(parts):  # a speculative step
-        return model_output, StepTokens.concat(parts)
-    token_ids = [token for sampled in plain for token in sampled.token_ids]
-    logprobs = None
-    if any(sampled.logprobs is not None for sampled in plain):
-        none: list[Any] = [None]
-        logprobs = [
-            entry for sampled in plain for entry in (sampled.logprobs or none * len(sampled.token_ids))
-        ]
-    return model_output, SamplerOutput(token_ids, logprobs)

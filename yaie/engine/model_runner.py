@@ -1,4 +1,8 @@
-"""ModelRunner: owns the model and the KV cache tensor; turns a scheduled batch into logits."""
+"""ModelRunner: owns the model and the KV cache tensor; turns a step's plan into logits.
+
+`execute(plan)` builds the step's input tensors and `AttentionMetadata` from the plan (what each
+sequence computes, fixed when the step was planned), runs the model once, and projects only the
+rows someone needs through the LM head."""
 
 from __future__ import annotations
 
@@ -56,11 +60,11 @@ class ModelRunner:
         return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one forward over every scheduled token and project the rows someone needs."""
-        if not batch.scheduled:  # nothing could be admitted this step
+        if not plan.scheduled:  # nothing could be admitted this step
             return RunnerOutput(torch.empty(0, self.model.config.vocab_size, device=self.device))
-        inputs = self._prepare(batch)
+        inputs = self._prepare(plan)
         if self.fused_decode is not None and self.fused_decode.fits(inputs.meta, len(inputs.input_ids)):
             hidden = self.fused_decode(inputs.input_ids, inputs.positions, inputs.meta)
         else:
@@ -77,7 +81,7 @@ class ModelRunner:
             rest = rest[count:]
         return RunnerOutput(sampled, prompt_logits)
 
-    def _prepare(self, batch: SchedulerOutput) -> _Inputs:
+    def _prepare(self, plan: SchedulerOutput) -> _Inputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -88,12 +92,12 @@ class ModelRunner:
         decode_lens: list[int] = []
         logits_rows: list[int] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []
-        for item in batch.scheduled:
+        for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
-            done, table = seq.num_computed_tokens, seq.block_table
+            done, table = item.num_computed_tokens, seq.block_table
             start = len(input_ids)
             if item.spec_token_ids:
-                input_ids.extend((seq.all_token_ids + item.spec_token_ids)[done : done + n])
+                input_ids.extend((seq.all_token_ids + list(item.spec_token_ids))[done : done + n])
             else:
                 input_ids.extend(seq.all_token_ids[done : done + n])
             positions.extend(range(done, done + n))
@@ -130,5 +134,5 @@ class ModelRunner:
         blocks = self._tensor(table[: -(-done // self.block_size)])
         return PrefillSeq(start, n, num_cached=done, block_table=blocks)
 
-    def _tensor(self, values: list) -> torch.Tensor:
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

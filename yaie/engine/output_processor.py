@@ -3,27 +3,28 @@
 For every sequence that sampled a token this step, `OutputProcessor.process` appends the token,
 advances the sequence's grammar by it (structured outputs), detokenizes it, and applies the stop
 rules in one place: EOS and stop tokens (once `min_tokens` are out), stop strings, a completed
-grammar, `max_tokens` and the model's context. A finished sequence gets its
-status here; the scheduler releases its blocks when it records the step. Then each touched
+grammar, `max_tokens` and the model's context. `process` returns the sequences
+the step finished, and the engine has the scheduler release exactly those. Then each touched
 request gets a `RequestOutput` with its choices' text, deltas and logprobs.
 
 While a stop string could still be forming at the end of a choice's text, that tail is held
 back, so a stream never shows part of a stop string.
 
+The request table is the engine's; this stage only reads it and updates its requests' choices.
 A failure while processing one request (a tokenizer error on some odd token, say) fails that
-request alone: it is finished with `RequestOutput.error` set, and the others carry on.
+request alone: its output is the last, with `RequestOutput.error` set, its sequences are among
+the finished ones, and the others carry on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from yaie.engine.detokenizer import IncrementalDetokenizer
 from yaie.engine.model_runner import RunnerOutput
 from yaie.engine.request import Choice, Request
 from yaie.engine.scheduler import SchedulerOutput
@@ -31,7 +32,6 @@ from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import SamplerOutput, prompt_logprobs
 from yaie.sampling_params import SamplingParams
-from yaie.spec.verify import StepTokens
 
 logger = logging.getLogger(__name__)
 
@@ -41,85 +41,58 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.requests: dict[str, Request] = {}  # unfinished requests, by id
-        self._failed: list[RequestOutput] = []  # outputs of failed requests, for the next process()
-
-    def new_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Request:
-        """A request with its n choices, registered here; the caller queues its sequences."""
-        request = Request(request_id, prompt, prompt_token_ids, params)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
-        for index in range(params.n):
-            seq = Sequence(f"{request_id}-{index}", prompt_token_ids, params, request_id, index)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-            request.choices.append(
-                Choice(seq, detokenizer, logprobs=[] if params.logprobs is not None else None)
-            )
-        self.requests[request_id] = request
-        return request
-
-    def pop(self, request_id: str) -> Request | None:
-        """Forget an unfinished request (an abort); returns it, or None if it is not known."""
-        return self.requests.pop(request_id, None)
-
-    def fail(self, request_id: str, error: str) -> None:
-        """Finish a request with an error: its sequences are marked aborted (the scheduler
-        releases them when it records the step), and its last output, carrying `error`, goes
-        out with the next `process`."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        for choice in request.choices:
-            choice.seq.status = SequenceStatus.FINISHED_ABORTED
-            choice.finish_reason = choice.finish_reason or SequenceStatus.FINISHED_ABORTED.value
-        self._failed.append(
-            RequestOutput(
-                request_id=request_id,
-                prompt=request.prompt,
-                prompt_token_ids=request.prompt_token_ids,
-                outputs=[],
-                finished=True,
-                error=error,
-            )
-        )
 
     def process(
-        self, batch: SchedulerOutput, model_output: RunnerOutput, sampled: SamplerOutput | StepTokens
-    ) -> list[RequestOutput]:
-        """Append the sampled tokens and make the outputs of every request the step touched,
-        then of every request failed since the last call. With speculative decoding a sequence
-        may get several tokens (`StepTokens`): they are appended one by one, and a stop met on
-        one of them drops those after it."""
+        self,
+        requests: Mapping[str, Request],
+        plan: SchedulerOutput,
+        model_output: RunnerOutput,
+        sampled: SamplerOutput,
+    ) -> tuple[list[RequestOutput], dict[Sequence, SequenceStatus]]:
+        """Append the sampled tokens (a sequence verifying drafts may get several: a stop met
+        on one drops those after it) and make the output of every request of `requests` (the
+        engine's table) that the step touched. Returns the outputs and the sequences the step
+        finished, with how: those stopped, and every sequence of a request that failed here."""
+        finished: dict[Sequence, SequenceStatus] = {}
+        failed: dict[str, RequestOutput] = {}
+
+        @contextlib.contextmanager
+        def failing_alone(request: Request) -> Iterator[None]:
+            """Turn an error raised while processing one request into that request's failure."""
+            try:
+                yield
+            except Exception as exc:
+                logger.exception("processing the output of request %s failed", request.request_id)
+                failed[request.request_id] = fail(request, f"processing the output failed: {exc!r}")
+                finished.update(unfinished_seqs(request))
+
         for seq, first_target, logits in model_output.prompt_logits:
-            with self._failing_alone(seq.request_id):
-                self._record_prompt_logprobs(self.requests[seq.request_id], first_target, logits)
+            request = requests[seq.request_id]
+            with failing_alone(request):
+                self._record_prompt_logprobs(request, first_target, logits)
         touched: dict[str, Request] = {}
-        for seq, token_ids, logprobs in _rows(batch.sampling_seqs, sampled):
-            with self._failing_alone(seq.request_id):
-                request = self.requests[seq.request_id]
+        logprobs = sampled.logprobs or [[None] * len(tokens) for tokens in sampled.token_ids]
+        for seq, token_ids, token_logprobs in zip(
+            plan.sampling_seqs, sampled.token_ids, logprobs, strict=True
+        ):
+            request = requests[seq.request_id]
+            if request.request_id in failed:
+                continue
+            with failing_alone(request):
                 choice = request.choices[seq.index]
-                for token_id, logprob in zip(token_ids, logprobs, strict=True):
-                    self._append_token(request, choice, token_id, logprob)
-                    if choice.finish_reason is not None:
+                for token_id, logprob in zip(token_ids, token_logprobs, strict=True):
+                    status = self._append_token(request, choice, token_id, logprob)
+                    if status is not None:
+                        finished[seq] = status
                         break
                 touched[request.request_id] = request
         outputs = []
         for request in touched.values():
-            with self._failing_alone(request.request_id):
+            if request.request_id in failed:
+                continue
+            with failing_alone(request):
                 outputs.append(self._make_output(request))
-        outputs, self._failed = outputs + self._failed, []
-        return outputs
-
-    @contextlib.contextmanager
-    def _failing_alone(self, request_id: str) -> Iterator[None]:
-        """Turn an error raised while processing one request into that request's failure."""
-        try:
-            yield
-        except Exception as exc:
-            logger.exception("processing the output of request %s failed", request_id)
-            self.fail(request_id, f"processing the output failed: {exc!r}")
+        return outputs + list(failed.values()), finished
 
     def _record_prompt_logprobs(self, request: Request, first_target: int, logits: torch.Tensor) -> None:
         known = request.prompt_logprobs
@@ -130,7 +103,8 @@ class OutputProcessor:
 
     def _append_token(
         self, request: Request, choice: Choice, token_id: int, logprob: TokenLogprob | None
-    ) -> None:
+    ) -> SequenceStatus | None:
+        """Append one token to the choice; returns how it finished the choice, if it did."""
         seq, params = choice.seq, request.params
         seq.append_token(token_id)
         if seq.grammar is not None and not seq.grammar.accept(token_id):
@@ -162,8 +136,8 @@ class OutputProcessor:
             status = SequenceStatus.FINISHED_LENGTH
             choice.text += choice.detokenizer.flush()
         if status is not None:
-            seq.status = status
             choice.finish_reason = status.value
+        return status
 
     @staticmethod
     def _cut_at_stop_string(choice: Choice, params: SamplingParams, delta_len: int) -> bool:
@@ -204,8 +178,6 @@ class OutputProcessor:
                 )
             )
             choice.num_sent_chars, choice.num_sent_tokens = visible, len(token_ids)
-        if request.finished:
-            self.requests.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -217,13 +189,25 @@ class OutputProcessor:
         )
 
 
-def _rows(
-    seqs: list[Sequence], sampled: SamplerOutput | StepTokens
-) -> Iterator[tuple[Sequence, list[int], list[TokenLogprob | None]]]:
-    """Per sequence that sampled: the tokens it gets this step and their logprobs."""
-    if isinstance(sampled, StepTokens):
-        yield from zip(seqs, sampled.token_ids, sampled.logprobs, strict=True)
-        return
-    logprobs = sampled.logprobs if sampled.logprobs is not None else [None] * len(sampled.token_ids)
-    for seq, token_id, logprob in zip(seqs, sampled.token_ids, logprobs, strict=True):
-        yield seq, [token_id], [logprob]
+def fail(request: Request, error: str) -> RequestOutput:
+    """Finish a request with an error: its choices are marked aborted, and its last output,
+    carrying `error`, is returned."""
+    for choice in request.choices:
+        choice.finish_reason = choice.finish_reason or SequenceStatus.FINISHED_ABORTED.value
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=[],
+        finished=True,
+        error=error,
+    )
+
+
+def unfinished_seqs(request: Request) -> dict[Sequence, SequenceStatus]:
+    """The request's sequences that the scheduler still holds, each to be released as aborted."""
+    return {
+        choice.seq: SequenceStatus.FINISHED_ABORTED
+        for choice in request.choices
+        if not choice.seq.status.finished
+    }

@@ -14,15 +14,22 @@ A request with n > 1 choices arrives as n sequences with the same prompt. Only t
 queued; its siblings wait until it has computed the prompt and then share its KV blocks, so the
 prompt is computed once, not n times.
 
+`schedule()` returns the step's plan, a frozen `SchedulerOutput`: what each sequence computes,
+as of when the plan was made. With speculative decoding the scheduler's `Drafter` proposes
+draft tokens for the step's decoding sequences while the plan is made, and the plan holds as
+many of them as the budget and the free blocks allow. After the step, `update(plan, finished)`
+records it and releases exactly the sequences the step finished; aborts and failures between
+steps come through `finish`, from the engine that owns the requests.
+
 Pure Python on purpose: no torch here, so every policy is unit-tested in milliseconds.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from yaie.cache.block_pool import BlockPool
 from yaie.engine.sequence import Sequence, SequenceStatus
@@ -31,36 +38,48 @@ if TYPE_CHECKING:
     from yaie.cache.radix_cache import RadixCache
 
 
-@dataclass
+class Drafter(Protocol):
+    """Where a plan's draft tokens come from (speculative decoding, yaie/spec/decoder.py)."""
+
+    def propose(self, seqs: list[Sequence], room: int) -> list[list[int]]:
+        """Draft tokens to verify after each of `seqs` (the step's decoding sequences, in batch
+        order), at most `room` in all: per sequence, a list (empty: no draft)."""
+        ...
+
+
+@dataclass(frozen=True)
 class ScheduledSequence:
+    """One sequence's part of a step, fixed when the step is planned."""
+
     seq: Sequence
-    num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on
-    # Whether this step reaches the sequence's last known token, so a new one is sampled.
-    # Fixed when scheduled: the step itself moves the counts it is computed from.
-    samples: bool = field(init=False)
+    num_new_tokens: int  # tokens whose K/V this step computes, from num_computed_tokens on
     # Speculative decoding: draft tokens scheduled after the sequence's last token, counted in
     # num_new_tokens, whose K/V is kept only as far as the target agrees with them.
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: tuple[int, ...] = ()
+    # Tokens of the sequence whose K/V was in the cache when the step was planned.
+    num_computed_tokens: int = field(init=False)
+    # Whether this step reaches the sequence's last known token, so a new one is sampled.
+    samples: bool = field(init=False)
+    # Past its prompt: the step computes the last sampled token (and any drafts after it).
+    decoding: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-    # Both as of the step, like `samples`: only meaningful before `Scheduler.update`.
-    @property
-    def decoding(self) -> bool:
-        """Past its prompt: the step computes the last sampled token (and any drafts after it)."""
-        return self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
+        seq, done = self.seq, self.seq.num_computed_tokens
+        object.__setattr__(self, "num_computed_tokens", done)
+        object.__setattr__(
+            self, "samples", done + self.num_new_tokens - len(self.spec_token_ids) == seq.num_tokens
+        )
+        object.__setattr__(self, "decoding", done >= seq.num_prompt_tokens)
 
     @property
     def context_len(self) -> int:
         """Tokens of the sequence whose K/V attention reads: its context through this step."""
-        return self.seq.num_computed_tokens + self.num_new_tokens
+        return self.num_computed_tokens + self.num_new_tokens
 
     def num_kept_spec_tokens(self) -> int:
         """How many draft tokens became the sequence's own tokens, in order, once the step's
-        tokens were appended (their K/V, computed from the same tokens, is valid). Only
-        meaningful before `Scheduler.update` moves num_computed_tokens."""
-        first = self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+        tokens were appended (their K/V, computed from the same tokens, is valid)."""
+        first = self.context_len - len(self.spec_token_ids)
         kept = 0
         for draft, actual in zip(self.spec_token_ids, self.seq.all_token_ids[first:], strict=False):
             if draft != actual:
@@ -68,20 +87,22 @@ class ScheduledSequence:
             kept += 1
         return kept
 
-    def num_generated_tokens(self) -> int:
-        """Tokens the step appended to the sequence: its sampled one and the drafts it kept
-        (fewer where a stop ended the run, none where its request failed). Only meaningful
-        before `Scheduler.update` moves num_computed_tokens."""
-        if not self.samples:
-            return 0
-        num_before = self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
-        return self.seq.num_tokens - num_before
+    def num_appended_tokens(self) -> int:
+        """Tokens the step appended to the sequence, read once they are: its sampled one and
+        the drafts it kept (fewer where a stop ended the run), until its next step appends more."""
+        return self.seq.num_tokens - self.context_len + len(self.spec_token_ids) if self.samples else 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    preempted: list[Sequence]
+    """The plan of one step: who computes how many tokens, and who was preempted to make room."""
+
+    scheduled: tuple[ScheduledSequence, ...]
+    preempted: tuple[Sequence, ...] = ()
+
+    def __post_init__(self) -> None:  # lists are welcome; the plan keeps tuples
+        object.__setattr__(self, "scheduled", tuple(self.scheduled))
+        object.__setattr__(self, "preempted", tuple(self.preempted))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -89,8 +110,13 @@ class SchedulerOutput:
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
-        """The sequences that sample a token this step: one logits row each, in this order."""
+        """The sequences that sample a token this step: one logits row each (1 + k with k
+        drafts), in this order."""
         return [s.seq for s in self.scheduled if s.samples]
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(s.spec_token_ids for s in self.scheduled)
 
 
 class Scheduler:
@@ -101,12 +127,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_cache: RadixCache | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
+        """`drafter`: with speculative decoding, what drafts the tokens each plan verifies."""
         self.pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_cache = prefix_cache
+        self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -132,8 +161,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Take a sequence out of the queues for good and release its blocks (an abort, or a
-        stop found outside `update`)."""
+        """Take a sequence out of the queues for good and release its blocks: one the step
+        finished (through `update`), or one of a request the engine aborts or fails."""
         self._release_siblings(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -149,8 +178,10 @@ class Scheduler:
     # -- the per-step decision ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step: who computes how many tokens (and, when speculating, which
+        drafts follow each decoding sequence's last token)."""
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        planned: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
 
         index = 0
@@ -164,7 +195,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSequence(seq, num_new))
+                planned.append((seq, num_new))
                 budget -= num_new
                 index += 1
                 continue
@@ -183,38 +214,52 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSequence(seq, num_new))
+            planned.append((seq, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled, preempted)
 
-    def add_lookahead(
-        self, output: SchedulerOutput, item: ScheduledSequence, draft_token_ids: list[int]
-    ) -> int:
-        """Schedule draft tokens after a decoding sequence's last token, for the target to verify
-        in this step: they count against the step's token budget, and their slots need blocks,
-        taken only where free (speculation never preempts or evicts). Returns how many of the
-        drafts were scheduled (a prefix of them; 0 when there is no room)."""
-        room = self.max_num_batched_tokens - output.num_batched_tokens
-        drafts = draft_token_ids[: max(0, room)]
-        seq = item.seq
-        while drafts and not self._grow(seq, item.num_new_tokens + len(drafts), evict=False):
-            drafts = drafts[: len(drafts) - 1]
-        item.spec_token_ids = list(drafts)
-        item.num_new_tokens += len(drafts)
-        return len(drafts)
+        drafts = self._lookahead(planned, budget) if self.drafter is not None else {}
+        scheduled = []
+        for seq, num_new in planned:
+            draft = drafts.get(seq, ())
+            scheduled.append(ScheduledSequence(seq, num_new + len(draft), draft))
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def update(self, output: SchedulerOutput) -> None:
-        """After the step: record that the scheduled tokens' K/V are now in the cache, hand
-        finished prompts to the prefix cache and to waiting siblings, and release the sequences
-        whose status says they are done (set when their new token was appended, or when their
-        request failed). Draft tokens the target did not keep are rolled back: their slots are
-        overwritten later, and blocks taken only for them go back to the pool."""
-        for item in output.scheduled:
+    def _lookahead(self, planned: list[tuple[Sequence, int]], room: int) -> dict[Sequence, tuple[int, ...]]:
+        """Draft tokens after the decoding sequences' last tokens, for the target to verify in
+        this step: they count against the step's token budget (`room` is what it has left),
+        and their slots need blocks, taken only where free (speculation never preempts or
+        evicts), so a sequence may keep only a prefix of its draft, or none."""
+        assert self.drafter is not None
+        decoding = [
+            seq for seq, num_new in planned if num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+        ]
+        if not decoding or room <= 0:
+            return {}
+        lookahead: dict[Sequence, tuple[int, ...]] = {}
+        for seq, draft in zip(decoding, self.drafter.propose(decoding, room), strict=True):
+            draft = draft[: max(0, room)]
+            while draft and not self._grow(seq, 1 + len(draft), evict=False):
+                draft = draft[: len(draft) - 1]
+            if draft:
+                lookahead[seq] = tuple(draft)
+                room -= len(draft)
+        return lookahead
+
+    def update(
+        self, plan: SchedulerOutput, finished: Mapping[Sequence, SequenceStatus] | None = None
+    ) -> None:
+        """After the step: record that the planned tokens' K/V are now in the cache, hand
+        finished prompts to the prefix cache and to waiting siblings, and release exactly the
+        sequences the step `finished` (the output processor's stops, and the sequences of a
+        request that failed while its output was made). Draft tokens the target did not keep
+        are rolled back: their slots are overwritten later, and blocks taken only for them go
+        back to the pool."""
+        for item in plan.scheduled:
             seq = item.seq
-            prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
+            prompt_left = seq.num_prompt_tokens - item.num_computed_tokens
             self.num_computed_prompt_tokens += max(0, min(prompt_left, item.num_new_tokens))
             rejected = len(item.spec_token_ids) - item.num_kept_spec_tokens() if item.spec_token_ids else 0
-            seq.num_computed_tokens += item.num_new_tokens - rejected
+            seq.num_computed_tokens = item.context_len - rejected
             if rejected:
                 keep = self.blocks_needed(seq.num_computed_tokens)
                 self.pool.free(seq.block_table[keep:])
@@ -224,18 +269,13 @@ class Scheduler:
             if prompt_left > 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._cache_computed_blocks(seq)
                 self._release_siblings(seq)
-        # Release what the step finished, and any sequence of a request failed since the last
-        # step, in whichever queue it waits.
-        for queue in (self.running, self.waiting):
-            for seq in [seq for seq in queue if seq.status.finished]:
-                self.finish(seq, seq.status)
+        for seq, status in (finished or {}).items():
+            self.finish(seq, status)
 
     def _release_siblings(self, source: Sequence) -> None:
         """Queue the siblings waiting for `source`'s prompt, sharing its computed blocks. The
         last prompt token is always recomputed, so each gets logits of its own to sample from."""
         for seq in self._siblings.pop(source, []):
-            if seq.status.finished:  # its request failed before it ever ran
-                continue
             seq.status = SequenceStatus.WAITING
             num_blocks = min(source.num_computed_tokens, seq.num_tokens - 1) // self.block_size
             if num_blocks == 0:

@@ -55,8 +55,8 @@ def _rows_and_ids(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, token id) pairs of every token of every row, as two long tensors."""
     lengths = [len(ids) for ids in token_lists]
-    # numpy reads a chain of Python ints ~8x faster than torch.tensor does, which matters for
-    # penalties over long prompts.
+    # numpy reads a chain of Python ints much faster than torch.tensor does, which matters for
+    # penalties over long prompts (benchmarks/sampler.py times the penalty rows).
     ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
     rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths)
     return torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device)

@@ -34,7 +34,8 @@ the random number of each seeded row from its own generator. In order:
    from it, the others from the global RNG; so a row's token depends only on its own logits,
    parameters and u, and a seed gives the same tokens whatever else is in the batch and at
    whatever row. One number per row also replaces the V exponentials per row that an
-   exponential race (argmax p / E) needs: those alone take ~20 ms at 32 x 49,152 on a CPU.
+   exponential race (argmax p / E) needs, which at a batch of a large vocabulary cost more
+   than the rest of the sampler (benchmarks/sampler.py).
 5. Logprobs (logprobs.py), for rows that asked: log_softmax of the processed logits divided by
    the row's temperature (1 for greedy rows), taken before the truncation of stage 3 so that
    every alternative has a finite value (the distribution actually drawn from is this one
@@ -43,8 +44,8 @@ the random number of each seeded row from its own generator. In order:
 
 When every row is greedy with nothing to apply (no bias, penalties, active min_tokens or
 logprobs), the step is a single argmax. Greedy argmaxes of float32 rows on the CPU take the native
-kernel (yaie/ops/csrc/argmax.cpp: the same indices; at 32 rows of a 49k vocabulary the greedy
-step fell from ~1.4 to ~0.2 ms, benchmarks/results/argmax-revisions.txt).
+kernel (yaie/ops/csrc/argmax.cpp: the same indices, several times faster than torch's at a
+batch of a large vocabulary; benchmarks/results/argmax-revisions.txt).
 
 `Sampler.distributions` runs stages 1-3 alone and returns each row's distribution as
 probabilities, for callers that decide tokens themselves (speculative decoding's verifier and
@@ -71,13 +72,31 @@ from yaie.sampling.workspace import Workspace
 __all__ = ["Distributions", "Sampler", "SamplerOutput", "SamplingBatch", "SamplingSeq", "prompt_logprobs"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]  # one per row
-    # None when no row asked for logprobs; else per row, the sampled token's logprob with the
-    # top alternatives (as many as the row asked for, best first), or None for a row that did
-    # not ask.
-    logprobs: list[TokenLogprob | None] | None = None
+    """What a step's sampling gives each row's sequence, in batch order: the tokens it appends
+    (one drawn token; with speculative decoding, the drafts the target kept and its own token
+    after them, yaie/spec/decoder.py) and, where asked, their logprobs."""
+
+    token_ids: list[list[int]]
+    # None when no row asked for logprobs; else per row, per token, the token's logprob with
+    # the top alternatives (as many as the row asked for, best first), or None for a row that
+    # did not ask.
+    logprobs: list[list[TokenLogprob | None]] | None = None
+
+    @classmethod
+    def concat(cls, parts: Iterable[SamplerOutput]) -> SamplerOutput:
+        """One batch's output from those of its parts, in order."""
+        parts = list(parts)
+        token_ids = [row for part in parts for row in part.token_ids]
+        if all(part.logprobs is None for part in parts):
+            return cls(token_ids)
+        logprobs = [
+            row
+            for part in parts
+            for row in (part.logprobs or [[None] * len(tokens) for tokens in part.token_ids])
+        ]
+        return cls(token_ids, logprobs)
 
 
 @dataclass
@@ -99,7 +118,8 @@ class Distributions:
 
 
 class Sampler:
-    """``sample(logits [B, V], prepare(seqs, device)) -> SamplerOutput``, row i for seqs[i].
+    """``sample(logits [B, V], prepare(seqs, device)) -> SamplerOutput``, row i for seqs[i]
+    (one token per row; with drafts to verify, yaie/spec/decoder.py makes the step's output).
 
     Keeps a few [B, V] work buffers between calls (see Workspace), sized by the largest batch
     seen: about 9 bytes per logit, e.g. 14 MB at batch 32 over 49,152 tokens.
@@ -144,7 +164,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` [B, V], which are left untouched."""
         if batch.plain_greedy:
-            return SamplerOutput(_argmax(logits).tolist())
+            return SamplerOutput([[token] for token in _argmax(logits).tolist()])
 
         # One working copy, processed in place from here on.
         work = _process(logits, batch, out=self._workspace.get("logits", logits, torch.float32))
@@ -166,11 +186,12 @@ class Sampler:
             token_ids = drawn if token_ids is None else torch.where(batch.greedy_mask, token_ids, drawn)
         assert token_ids is not None
 
-        output = SamplerOutput(token_ids.tolist())
-        if logprob_rows:
-            assert log_z is not None
-            output.logprobs = token_logprobs(work, log_z, token_ids, batch.logprobs, cut)
-        return output
+        rows = [[token] for token in token_ids.tolist()]
+        if not logprob_rows:
+            return SamplerOutput(rows)
+        assert log_z is not None
+        logprobs = token_logprobs(work, log_z, token_ids, batch.logprobs, cut)
+        return SamplerOutput(rows, [[entry] for entry in logprobs])
 
     @torch.inference_mode()
     def distributions(self, logits: torch.Tensor, batch: SamplingBatch) -> Distributions:
@@ -201,10 +222,9 @@ class Sampler:
         threshold = _draw_threshold(work, cut, batch)
         if cut.fits is not None and len(cut.rows) == batch.greedy.count(False) and bool(cut.fits.all()):
             # Every sampled row keeps only some of its top candidates: draw among those. This
-            # second path pays: with it, `benchmarks/sampler.py --threads 1` at batch 32 ran
-            # "all controls" (top_k 50) and "top-p only" 2.4-2.8x faster than with every row
-            # drawn over full rows (the exponentials, mask and chunk sums of [B, V] cost more
-            # than a topk this narrow).
+            # second path pays (`benchmarks/sampler.py --threads 1`, "all controls" and "top-p
+            # only", against every row drawn over full rows): the exponentials, mask and chunk
+            # sums of [B, V] cost more than a topk this narrow.
             assert threshold is not None and cut.values is not None and cut.ids is not None
             index = torch.tensor(cut.rows, device=work.device)
             drawn = torch.zeros(batch.num_rows, dtype=torch.long, device=work.device)

@@ -17,8 +17,8 @@ from yaie.sampling.weights import logsumexp
 
 NEG_INF = float("-inf")
 # Candidates taken (with topk) per row to look for the top_p cut-off in rows without top_k.
-# Rows whose nucleus is larger fall back to a full sort of the vocabulary: exact, but ~25x the
-# cost of a topk this wide on a CPU.
+# Rows whose nucleus is larger fall back to a full sort of the vocabulary: exact, but far
+# costlier than a topk this wide on a CPU (benchmarks/sampler.py, "top-p only").
 TOP_P_PROBE = 256
 
 

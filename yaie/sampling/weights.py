@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-# exp() of anything below this gives a subnormal or zero float32, which took up to 30x longer
-# than normal values on the x86 CPU this was measured on (low temperatures make such logits
-# common). Logits further than this below the row's maximum have odds under 1e-37 that no
-# float64 running sum can resolve, so flooring their exponent here changes no draw.
+# exp() of anything below this gives a subnormal or zero float32, which x86 CPUs compute many
+# times slower than normal values (low temperatures make such logits common;
+# benchmarks/sampler.py runs low-temperature rows). Logits further than this below the row's
+# maximum have odds under 1e-37 that no float64 running sum can resolve, so flooring their
+# exponent here changes no draw.
 EXP_FLOOR = -87.0
 
 

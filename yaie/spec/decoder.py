@@ -1,12 +1,13 @@
-"""Speculative decoding in the engine's step: propose before the forward, verify after it.
+"""Speculative decoding in the engine's step: draft while the step is planned, verify after it.
 
-    schedule() -> propose(batch) -> runner.execute() -> sample(batch, logits) -> process() -> update()
+    schedule() [-> propose(decoding sequences, room)] -> runner.execute() -> sample(plan, logits)
+    -> process() -> update()
 
-`propose` asks the proposer for drafts for the batch's decoding sequences and has the
-scheduler place them after each sequence's last token (within the token budget and the free
-blocks). The runner then returns 1 + k logits rows for such a sequence, and `sample` verifies
-its drafts (yaie.spec.verify) while the other rows go through the sampler as usual. When no
-sequence drafts, the step is the plain one, untouched.
+The scheduler, as it plans a step, asks `propose` for drafts for the step's decoding sequences
+and places them after each sequence's last token (within the token budget and the free blocks):
+the plan it returns holds them. The runner then returns 1 + k logits rows for such a sequence,
+and `sample` verifies its drafts (yaie.spec.verify) while the other rows go through the sampler
+as usual. When no sequence drafts, the step is the plain one, untouched.
 
 Speculation pays only while a forward is bound by reading the weights: a step with more
 decoding sequences than `disable_by_batch_size` (by default measured per kind of target weights,
@@ -28,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yaie.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from yaie.engine.scheduler import SchedulerOutput
 from yaie.engine.sequence import Sequence
 from yaie.outputs import TokenLogprob
-from yaie.sampling.sampler import Sampler
+from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.spec.config import SpeculativeConfig
 from yaie.spec.proposers import PROPOSERS, Proposer, TargetInfo
-from yaie.spec.verify import Draft, StepTokens, Verified, verify
+from yaie.spec.verify import Draft, Verified, verify
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,13 @@ class _SeqState:
 
 
 class SpeculativeDecoder:
+    """The scheduler's `Drafter` (drafts go into the step's plan as it is made) and the step's
+    sampler for a plan with drafts (`sample`)."""
+
     def __init__(
         self,
         config: SpeculativeConfig,
         proposer: Proposer,
-        scheduler: Scheduler,
         max_model_len: int,
         eos_token_ids: frozenset[int],
         max_batch_size: int,
@@ -82,46 +85,36 @@ class SpeculativeDecoder:
         self.config = config
         self.max_batch_size = max_batch_size  # the most decoding sequences a speculating step has
         self.proposer = proposer
-        self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
-        self._drafts: dict[Sequence, Draft] = {}  # this step's, by sequence
+        # The last plan's drafts, by sequence, with the distributions they were drawn from; the
+        # plan holds as many of each draft's tokens as found room.
+        self._drafts: dict[Sequence, Draft] = {}
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
 
     @classmethod
-    def create(
-        cls, config: SpeculativeConfig, target: TargetInfo, scheduler: Scheduler
-    ) -> SpeculativeDecoder:
+    def create(cls, config: SpeculativeConfig, target: TargetInfo) -> SpeculativeDecoder:
         proposer = PROPOSERS[config.method].create(config, target)
         limit = config.batch_size_limit(target.quantized)
-        return cls(config, proposer, scheduler, target.max_model_len, target.eos_token_ids, limit)
+        return cls(config, proposer, target.max_model_len, target.eos_token_ids, limit)
 
-    def propose(self, batch: SchedulerOutput) -> None:
-        """Draft for the batch's decoding sequences and schedule the drafts."""
+    def propose(self, seqs: list[Sequence], room: int) -> list[list[int]]:
+        """Drafts for the step's decoding sequences, at most `room` tokens in all (Drafter)."""
         self._drafts = {}
-        decoding = [item for item in batch.scheduled if item.samples and item.num_new_tokens == 1]
-        if not decoding or len(decoding) > self.max_batch_size:
-            return
-        budget = self.scheduler.max_num_batched_tokens - batch.num_batched_tokens
-        chosen: list[ScheduledSequence] = []
+        if len(seqs) > self.max_batch_size:
+            return [[] for _ in seqs]
+        chosen: list[Sequence] = []
         limits: list[int] = []
-        for item in decoding:
-            limit = min(self._draft_limit(item.seq), budget)
-            if limit > 0 and self._wants_to_draft(item.seq):
-                chosen.append(item)
+        for seq in seqs:
+            limit = min(self._draft_limit(seq), room)
+            if limit > 0 and self._wants_to_draft(seq):
+                chosen.append(seq)
                 limits.append(limit)
-                budget -= limit
-        if not chosen:
-            return
-        drafts = self._draft([item.seq for item in chosen], limits)
-        for item, draft in zip(chosen, drafts, strict=True):
-            if not draft.token_ids:
-                continue
-            num = self.scheduler.add_lookahead(batch, item, draft.token_ids)
-            if num:
-                probs = None if draft.probs is None else draft.probs[:num]
-                self._drafts[item.seq] = Draft(draft.token_ids[:num], probs)
+                room -= limit
+        if chosen:
+            self._drafts = dict(zip(chosen, self._draft(chosen, limits), strict=True))
+        return [self._drafts[seq].token_ids if seq in self._drafts else [] for seq in seqs]
 
     def _draft(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
         """The proposer's drafts. Drafts only save time, so a proposer that fails on some
@@ -165,59 +158,59 @@ class SpeculativeDecoder:
             return False
         return True
 
-    @property
-    def speculating(self) -> bool:
-        """Whether this step verifies drafts (after `propose`)."""
-        return bool(self._drafts)
-
-    def sample(
-        self, batch: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, device: torch.device
-    ) -> StepTokens:
+    def sample(self, plan: SchedulerOutput, logits: torch.Tensor, sampler: Sampler) -> SamplerOutput:
         """The tokens of a step that verifies drafts: the rows of sequences without drafts are
         sampled together as usual, the drafting sequences' 1 + k rows each are verified
         together."""
-        seqs = batch.sampling_seqs
+        plain: list[Sequence] = []
         plain_rows: list[int] = []  # the row of each sequence without a draft
+        drafting: list[Sequence] = []
+        drafts: list[Draft] = []
         draft_rows: list[int] = []  # the 1 + k rows of each sequence with one
         row = 0
-        for item in batch.scheduled:
-            if item.samples:
-                count = 1 + len(item.spec_token_ids)
-                if item.seq in self._drafts:
-                    draft_rows.extend(range(row, row + count))
-                else:
-                    plain_rows.append(row)
-                row += count
-        plain = [seq for seq in seqs if seq not in self._drafts]
-        plain_tokens = StepTokens([], [])
-        if plain:
-            index = torch.tensor(plain_rows, device=logits.device)
-            sampled = sampler.sample(logits.index_select(0, index), sampler.prepare(plain, device))
-            plain_tokens = StepTokens.concat([sampled])
-        drafting = [seq for seq in seqs if seq in self._drafts]
+        for item in plan.scheduled:
+            if not item.samples:
+                continue
+            if item.spec_token_ids:
+                # The plan holds as many of the draft's tokens as found room: their first ones.
+                count = len(item.spec_token_ids)
+                probs = self._drafts[item.seq].probs
+                drafting.append(item.seq)
+                drafts.append(Draft(list(item.spec_token_ids), None if probs is None else probs[:count]))
+                draft_rows.extend(range(row, row + 1 + count))
+                row += 1 + count
+            else:
+                plain.append(item.seq)
+                plain_rows.append(row)
+                row += 1
+        plain_out = (
+            iter(())
+            if not plain
+            else _rows(sampler.sample(_select(logits, plain_rows), sampler.prepare(plain, logits.device)))
+        )
+        # A part of the plan, when a failed step is redone sequence by sequence, may have no drafts.
         verified: Iterator[Verified] = iter(())
-        if drafting:  # a part of the batch, when a failed step is redone sequence by sequence, may have none
-            index = torch.tensor(draft_rows, device=logits.device)
-            drafts = [self._drafts[seq] for seq in drafting]
-            verified = iter(verify(sampler, logits.index_select(0, index), drafting, drafts))
+        if drafting:
+            verified = iter(verify(sampler, _select(logits, draft_rows), drafting, drafts))
         token_ids: list[list[int]] = []
         logprobs: list[list[TokenLogprob | None]] = []
-        next_plain = 0
-        for seq in seqs:
-            if seq not in self._drafts:
-                token_ids.append(plain_tokens.token_ids[next_plain])
-                logprobs.append(plain_tokens.logprobs[next_plain])
-                next_plain += 1
+        for item in plan.scheduled:
+            if not item.samples:
                 continue
-            result = next(verified)
-            token_ids.append(result.token_ids)
-            logprobs.append(result.logprobs or [None] * len(result.token_ids))
-        return StepTokens(token_ids, logprobs)
+            if item.spec_token_ids:
+                result = next(verified)
+                token_ids.append(result.token_ids)
+                logprobs.append(result.logprobs or [None] * len(result.token_ids))
+            else:
+                tokens, row_logprobs = next(plain_out)
+                token_ids.append(tokens)
+                logprobs.append(row_logprobs)
+        return SamplerOutput(token_ids, logprobs)
 
-    def record(self, batch: SchedulerOutput) -> None:
-        """After the tokens are appended and before the scheduler records the step: count what
-        each draft kept, and pause sequences whose drafts keep failing."""
-        for item in batch.scheduled:
+    def record(self, plan: SchedulerOutput) -> None:
+        """Once the step's tokens are appended: count what each draft kept, pause sequences
+        whose drafts keep failing, and let the proposer forget finished sequences."""
+        for item in plan.scheduled:
             if not item.spec_token_ids:
                 continue
             kept, drafted = item.num_kept_spec_tokens(), len(item.spec_token_ids)
@@ -232,3 +225,13 @@ class SpeculativeDecoder:
             if state.acceptance < self.config.min_acceptance_rate:
                 state.paused_steps = PAUSE_STEPS
         self.proposer.release_finished()
+
+
+def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))
+
+
+def _rows(sampled: SamplerOutput) -> Iterator[tuple[list[int], list[TokenLogprob | None]]]:
+    """Per row of a sampler's output: its tokens and their logprobs (None where not asked)."""
+    for row, tokens in enumerate(sampled.token_ids):
+        yield tokens, sampled.logprobs[row] if sampled.logprobs is not None else [None] * len(tokens)

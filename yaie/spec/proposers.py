@@ -179,7 +179,7 @@ class DraftModelProposer(Proposer):
         while active:
             shadows = [self._shadows[seqs[i]] for i in active]
             batch = SchedulerOutput(
-                [ScheduledSequence(s, s.num_tokens - s.num_computed_tokens) for s in shadows], []
+                tuple(ScheduledSequence(s, s.num_tokens - s.num_computed_tokens) for s in shadows)
             )
             logits = self.runner.execute(batch).logits
             drafted = [drafts[i].token_ids for i in active]

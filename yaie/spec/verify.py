@@ -23,7 +23,7 @@ processed logits over the temperature, before truncation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,7 @@ from yaie.outputs import TokenLogprob
 from yaie.sampling.batch import SamplingSeq
 from yaie.sampling.draw import draw_full_rows, uniforms
 from yaie.sampling.processors import MaskFiller
-from yaie.sampling.sampler import Sampler, SamplerOutput
+from yaie.sampling.sampler import Sampler
 from yaie.sampling_params import SamplingParams
 
 
@@ -140,29 +140,3 @@ def decide(
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from the probabilities [V] (not necessarily normalised), by the sampler's draw."""
     return int(draw_full_rows(probs.unsqueeze(0), [generator])[0])
-
-
-@dataclass
-class StepTokens:
-    """What a speculative step gives each sequence that samples, in batch order: the tokens to
-    append (kept drafts and the target's token after them; a single token for a sequence that
-    did not speculate) and, when it asked, their logprobs."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprob | None]]
-
-    @classmethod
-    def concat(cls, parts: Iterable[StepTokens | SamplerOutput]) -> StepTokens:
-        """One step's tokens from those of its parts, in order; a SamplerOutput's rows are one
-        token each."""
-        token_ids: list[list[int]] = []
-        logprobs: list[list[TokenLogprob | None]] = []
-        for part in parts:
-            if isinstance(part, StepTokens):
-                token_ids += part.token_ids
-                logprobs += part.logprobs
-            else:
-                token_ids += [[t] for t in part.token_ids]
-                row_logprobs = part.logprobs or [None] * len(part.token_ids)
-                logprobs += [[lp] for lp in row_logprobs]
-        return cls(token_ids, logprobs)
