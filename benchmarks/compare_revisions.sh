@@ -10,8 +10,8 @@
 # whose calling convention the change altered still measures each side as it is). Every
 # output is kept under benchmarks/results/revisions/ as base-N.txt / head-N.txt; compare
 # the tables (or the JSON a script writes, named by its own --out) side by side. A script run in
-# the working tree writes its default --out there too: a tracked result (the README's source)
-# that the runs rewrote is restored at the end, with a line saying so.
+# the working tree writes its default --out there too: a tracked result (a source of
+# docs/performance.md) that the runs rewrote is restored at the end, with a line saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

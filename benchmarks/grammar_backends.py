@@ -1,5 +1,5 @@
 """xgrammar vs llguidance on the bundled model's tokenizer (49,152 tokens): the numbers behind
-the choice of grammar library in the README ("Structured outputs").
+the choice of grammar library in docs/structured-outputs.md ("Why llguidance").
 
 For each library:
 - compile: the time from a JSON schema to a matcher that has filled its first mask, over the

@@ -8,7 +8,7 @@ from typing import Any
 # How linear layers hold their weights (yaie/model/quantization.py).
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
 # What the KV cache stores; auto: the model's compute dtype, or float16 under quantized weights
-# computing in float32 (yaie.engine.engine.resolve_kv_cache_dtype). A 16-bit cache holds twice
+# computing in float32 (yaie.engine.resources.resolve_kv_cache_dtype). A 16-bit cache holds twice
 # the tokens in the same memory; attention still computes in the compute dtype.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Where a request's omitted sampling parameters come from (vLLM's --generation-config): auto,

@@ -285,8 +285,8 @@ def test_llama_hf_config_agrees_with_transformers(gguf_dir, vocab, llama):
 
 def test_the_checkpoint_does_not_keep_the_vocabulary(gguf_dir, vocab, llama):
     """The vocabulary's arrays are the tokenizer's (transformers reads them from the file): kept
-    through loading they fragmented Python's allocator (README, "Memory"). The size they imply
-    is still known where the file does not state it."""
+    through loading they fragmented Python's allocator (benchmarks/results/DIARY.md, "Found on
+    the way"). The size they imply is still known where the file does not state it."""
     path = write(gguf_dir, vocab, "llama", llama, Q.Q8_0, tag="-no-vocab-size", write_vocab_size=False)
     checkpoint = GGUFCheckpoint(str(path))
     kept = [key for key in checkpoint.reader.fields if key.startswith("tokenizer.ggml.")]

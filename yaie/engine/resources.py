@@ -33,7 +33,8 @@ def resolve_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, tor
     )
     if dtype == "auto":
         # On the CPU float32 is exact (transformers parity) and the path every kernel covers;
-        # bf16 is a choice to make per machine (docs/performance.md has both measured).
+        # bf16 pays only on CPUs with bf16 instructions (AVX512-BF16, AMX), at bf16's precision,
+        # so it is the user's choice (docs/performance.md, "bf16 on CPU", has both measured).
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")

@@ -17,9 +17,10 @@ from yaie.config import QUANTIZATIONS
 MAX_SPECULATIVE_TOKENS = 16
 # Above this many decoding sequences in a step the forward is no longer bound by reading the
 # weights, so verifying drafts stops being nearly free. Where that happens depends on how the
-# target holds its weights (benchmarks/speculative.py, README "Speculative decoding"): a dense
-# target still gains at 4 sequences and no longer at 8; a quantized one gains only alone, as its
-# one-row decode kernel costs far less per row than the many-row path a verifying step takes.
+# target holds its weights (benchmarks/speculative.py, docs/speculative-decoding.md "When it
+# pays"): a dense target still gains at 4 sequences and no longer at 8; a quantized one gains
+# only alone, as its one-row decode kernel costs far less per row than the many-row path a
+# verifying step takes.
 DISABLE_BY_BATCH_SIZE_DENSE = 4
 DISABLE_BY_BATCH_SIZE_QUANTIZED = 1
 

@@ -2,9 +2,9 @@
 `Grammar.matcher() -> GrammarMatcher`, and a matcher that fills its row of a token bitmask,
 accepts the sampled token, says when it is terminated and rolls back.
 
-The library is llguidance (the README's "Structured outputs" has the measurements behind the
-choice): it builds its lexer lazily, so a new schema costs well under a millisecond before its
-first mask, where xgrammar precomputes per-schema token tables for tens of milliseconds.
+The library is llguidance (docs/structured-outputs.md, "Why llguidance", has the measurements
+behind the choice): it builds its lexer lazily, so a new schema costs little before its first
+mask, where xgrammar precomputes per-schema token tables first.
 
 A bitmask row holds one bit per token, 32 tokens per int32 (token t is bit t % 32 of word
 t // 32), set when the token is allowed.
