@@ -4,14 +4,19 @@ default model, against the shared server."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import agents
+import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.e2e.e2e_helpers import MODEL, Server
+from tests.e2e.test_fuzz import floats, ints, junk, texts
 
 pytestmark = pytest.mark.slow
 
@@ -326,3 +331,88 @@ def test_openai_agents_runs_a_function_tool(server: Server) -> None:
     result = agents.Runner.run_sync(agent, "What is the weather like in Paris?", max_turns=2)
     [city] = calls
     assert result.final_output == f"sunny in {city}"
+
+
+# -- fuzz: every answer a 2xx or a 4xx with OpenAI's error body (as tests/e2e/test_fuzz.py) -----
+
+parts = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": texts}
+    ),
+    max_size=2,
+)
+items = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+            "content": st.one_of(texts, parts),
+        },
+        optional={"type": st.sampled_from(["message", "reasoning"])},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": texts, "name": texts, "arguments": texts}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": texts, "output": st.one_of(texts, parts)}
+    ),
+    junk,
+)
+tools = st.lists(
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["function", "web_search"]),
+            "name": st.sampled_from(["f", "get_weather", "bad name"]),
+        },
+        optional={"parameters": st.one_of(junk, st.just(WEATHER["parameters"])), "strict": junk},
+    ),
+    max_size=2,
+)
+text_formats = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "grammar"])},
+    optional={"name": texts, "schema": st.one_of(junk, st.just({"type": "object"}), st.just({"type": 5}))},
+)
+responses_bodies = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "max_output_tokens": st.one_of(st.integers(-1, 3), st.text(max_size=2))},
+    optional={
+        "input": st.one_of(texts, st.lists(items, max_size=3), junk),
+        "instructions": st.one_of(texts, junk),
+        "temperature": floats,
+        "top_p": floats,
+        "stream": st.booleans(),
+        "tools": st.one_of(tools, junk),
+        "tool_choice": st.one_of(
+            st.sampled_from(["auto", "none", "required", "sometimes"]),
+            st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "g"])}),
+            junk,
+        ),
+        "text": st.one_of(st.fixed_dictionaries({"format": text_formats}), junk),
+        "store": junk,
+        "previous_response_id": st.one_of(texts, junk),
+        "metadata": st.one_of(st.dictionaries(texts, st.one_of(texts, ints), max_size=2), junk),
+        "parallel_tool_calls": junk,
+        "user": junk,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_http(server: Server) -> Iterator[httpx.Client]:
+    with server.http() as client:
+        yield client
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=responses_bodies)
+def test_no_responses_request_gets_a_5xx(fuzz_http: httpx.Client, body: dict[str, Any]) -> None:
+    content = json.dumps(body).encode()  # NaN, Infinity and lone surrogates as a client may send them
+    response = fuzz_http.post("/v1/responses", content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"]
+    elif body.get("stream"):
+        last = response.text.strip().split("\n\n")[-1]
+        assert last.startswith(("event: response.completed", "event: response.incomplete")), (
+            body,
+            response.text,
+        )
