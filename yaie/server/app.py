@@ -33,11 +33,14 @@ from yaie.engine.async_engine import AsyncEngine
 from yaie.errors import InvalidRequestError
 from yaie.sampling_params import SamplingParams
 from yaie.server import protocol as p
+from yaie.server import responses
+from yaie.server import responses_protocol as rp
 from yaie.server.chat_completions import ChatCompletion
 from yaie.server.completions import Completion
 from yaie.server.errors import APIError, add_error_handlers, model_not_found
 from yaie.server.metrics import RequestTracker, ServerMetrics
 from yaie.server.middleware import LimitRequestBytes, RequireAPIKey
+from yaie.server.responses import ResponseBuilder, ResponseStore
 from yaie.server.streaming import Generation, event_stream
 from yaie.server.web import PAGE_PATHS, web_router
 from yaie.structured import tool_formats
@@ -83,6 +86,7 @@ class OpenAIServer:
         self.tool_format = tool_formats.for_template(getattr(self.tokenizer, "chat_template", None))
         self.metrics = ServerMetrics(async_engine.stats)
         self.max_prompt_chars = async_engine.max_model_len * MAX_CHARS_PER_TOKEN
+        self.responses = ResponseStore()  # what /v1/responses stores, for previous_response_id
 
     def _check_chars(self, texts: Sequence[str], param: str) -> None:
         if sum(len(text) for text in texts) > self.max_prompt_chars:
@@ -181,6 +185,37 @@ class OpenAIServer:
         finals = await generation.final_outputs()
         return _json(await completion.response(finals, generation.usage()))
 
+    # -- OpenAI's Responses API (responses.py) --
+
+    async def create_response(self, request: Request) -> Response:
+        # Parsed here rather than by FastAPI so that errors name the Responses API's fields.
+        body = rp.ResponsesRequest.parse(await request.body())
+        self._check_model(body.model)
+        history: list[p.ChatMessage] = []
+        if body.previous_response_id is not None:
+            history = self.responses.get(body.previous_response_id, "previous_response_id").conversation
+        chat = body.to_chat(history)
+        params = chat.to_sampling_params(self.tool_format, self.defaults.sampling)
+        messages = chat.template_messages()
+        self._check_chars([message["content"] for message in messages], "input")
+        response_id = f"resp_{uuid.uuid4().hex}"
+        prompt = await self.engine.encode_chat(messages, chat.tool_definitions)
+        generation = await self._start(request, chat, params, [(response_id, prompt)])
+        builder = ResponseBuilder(
+            response_id, self.model_name, body, chat, params, history, self.tool_format, self.responses
+        )
+        if body.stream:
+            return responses.event_stream(builder.events(generation))
+        finals = await generation.final_outputs()
+        return _json(builder.response(finals, generation.usage()))
+
+    async def get_response(self, response_id: str) -> Response:
+        return _json(self.responses.get(response_id).response)
+
+    async def delete_response(self, response_id: str) -> Response:
+        self.responses.delete(response_id)
+        return _json(rp.DeletedResponse(id=response_id))
+
     async def models(self) -> Response:
         card = p.ModelCard(
             id=self.model_name,
@@ -255,6 +290,9 @@ def build_app(
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     app.add_api_route("/health", server.health, methods=["GET"])

@@ -631,32 +631,40 @@ _REQUESTS: tuple[type[BaseModel], ...] = (
     NamedToolChoice,
     NamedFunction,
 )
-_FIELD_NAMES = frozenset(
-    field.alias or name for model in _REQUESTS for name, field in model.model_fields.items()
-)
 
 
-def _param_path(loc: Sequence[int | str]) -> str | None:
+def field_names(models: Sequence[type[BaseModel]]) -> frozenset[str]:
+    """The names requests of these models give their fields (an alias where one is set)."""
+    return frozenset(field.alias or name for model in models for name, field in model.model_fields.items())
+
+
+_FIELD_NAMES = field_names(_REQUESTS)
+
+
+def _param_path(loc: Sequence[int | str], names: frozenset[str]) -> str | None:
     """`messages[0].content` from pydantic's ("messages", 0, "content"). Other strings in a
     location name union branches ("list[int]") or dict keys, which are not part of the path."""
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in _FIELD_NAMES:
+        elif part in names:
             path += f".{part}" if path else part
     return path or None
 
 
-def describe_validation_error(errors: Sequence[ErrorDetails]) -> InvalidRequestError:
-    """One InvalidRequestError for pydantic's (or FastAPI's) errors about a request body."""
+def describe_validation_error(
+    errors: Sequence[ErrorDetails], names: frozenset[str] = _FIELD_NAMES
+) -> InvalidRequestError:
+    """One InvalidRequestError for pydantic's (or FastAPI's) errors about a request body;
+    `names`: the request models' field names (field_names), which a field's path is made of."""
     # Of a union's failed branches, the one that got furthest is the most telling.
     error = max(errors, key=lambda e: len(e["loc"]))
     loc = error["loc"][1:] if error["loc"][:1] == ("body",) else error["loc"]  # FastAPI's prefix
     if error["type"] == "json_invalid":
         detail = error.get("ctx", {}).get("error", error["msg"])
         return InvalidRequestError(f"the body is not valid JSON: {detail}")
-    param = _param_path(loc)
+    param = _param_path(loc, names)
     if param is None:
         return InvalidRequestError("the body must be a JSON object")
     if error["type"] == "missing":
