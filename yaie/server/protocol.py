@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
@@ -636,27 +636,30 @@ _FIELD_NAMES = frozenset(
 )
 
 
-def _param_path(loc: Sequence[int | str]) -> str | None:
+def _param_path(loc: Sequence[int | str], field_names: Collection[str]) -> str | None:
     """`messages[0].content` from pydantic's ("messages", 0, "content"). Other strings in a
     location name union branches ("list[int]") or dict keys, which are not part of the path."""
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in _FIELD_NAMES:
+        elif part in field_names:
             path += f".{part}" if path else part
     return path or None
 
 
-def describe_validation_error(errors: Sequence[ErrorDetails]) -> InvalidRequestError:
-    """One InvalidRequestError for pydantic's (or FastAPI's) errors about a request body."""
+def describe_validation_error(
+    errors: Sequence[ErrorDetails], field_names: Collection[str] = _FIELD_NAMES
+) -> InvalidRequestError:
+    """One InvalidRequestError for pydantic's (or FastAPI's) errors about a request body whose
+    models' fields are `field_names` (by default, this module's requests')."""
     # Of a union's failed branches, the one that got furthest is the most telling.
     error = max(errors, key=lambda e: len(e["loc"]))
     loc = error["loc"][1:] if error["loc"][:1] == ("body",) else error["loc"]  # FastAPI's prefix
     if error["type"] == "json_invalid":
         detail = error.get("ctx", {}).get("error", error["msg"])
         return InvalidRequestError(f"the body is not valid JSON: {detail}")
-    param = _param_path(loc)
+    param = _param_path(loc, field_names)
     if param is None:
         return InvalidRequestError("the body must be a JSON object")
     if error["type"] == "missing":
