@@ -14,6 +14,8 @@ import httpx
 import jsonschema
 import pytest
 from anthropic.types import MessageParam, TextBlock, ToolUseBlock
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.e2e.e2e_helpers import MODEL, Server, start_server
 
@@ -309,3 +311,98 @@ def test_x_api_key_is_accepted_like_bearer(keyed: Server) -> None:
         refused = http.get("/v1/models", headers={"x-api-key": "wrong"})
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+
+
+# -- fuzz: every body, valid or not, gets a 2xx or a 4xx in Anthropic's error shape ---------------
+
+texts = st.text(st.characters(codec=None), max_size=30)  # lone surrogates and control characters too
+junk = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), texts)
+schemas = st.one_of(
+    st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+    st.just({"type": "nope"}),
+    st.just({"$ref": "#/$defs/missing"}),
+    st.dictionaries(texts, junk, max_size=2),
+)
+blocks = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(texts, junk)}),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": texts, "name": texts, "input": st.one_of(schemas, junk)}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": texts},
+        optional={
+            "content": st.one_of(
+                texts,
+                st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2),
+                junk,
+            ),
+            "is_error": junk,
+        },
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "video", 3])}),
+)
+anthropic_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "x"]),
+            "content": st.one_of(texts, st.lists(blocks, max_size=3), junk),
+        }
+    ),
+    max_size=3,
+)
+anthropic_bodies = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "messages": anthropic_messages},
+    optional={
+        "max_tokens": st.one_of(st.integers(-1, 3), st.just(10**9), junk),
+        "system": st.one_of(
+            texts, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2), junk
+        ),
+        "temperature": st.one_of(st.floats(), junk),
+        "top_p": st.one_of(st.floats(), junk),
+        "top_k": st.one_of(st.integers(-2, 5), junk),
+        "stop_sequences": st.one_of(st.lists(texts, max_size=2), junk),
+        "stream": st.booleans(),
+        "metadata": st.one_of(st.fixed_dictionaries({"user_id": texts}), junk),
+        "tools": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "name": st.one_of(st.sampled_from(["f", "get_weather"]), texts),
+                        "input_schema": st.one_of(schemas, junk),
+                    },
+                    optional={"description": texts, "type": st.sampled_from(["custom", "bash_20250124"])},
+                ),
+                max_size=2,
+            ),
+            junk,
+        ),
+        "tool_choice": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["auto", "any", "tool", "none", "required"])},
+                optional={"name": st.one_of(st.sampled_from(["f", "get_weather"]), texts)},
+            ),
+            junk,
+        ),
+    },
+)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=anthropic_bodies, count=st.booleans())
+def test_no_messages_request_gets_a_5xx(server: Server, body: dict[str, Any], count: bool) -> None:
+    path = "/v1/messages/count_tokens" if count else "/v1/messages"
+    content = json.dumps(body).encode()  # NaN, Infinity and lone surrogates as sent
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] in (
+            "invalid_request_error",
+            "not_found_error",
+        )
+        assert error["error"]["message"]
+    elif body.get("stream"):
+        assert response.text.rstrip().endswith('data: {"type":"message_stop"}'), (body, response.text)
+    elif not count:
+        assert response.json()["type"] == "message"
