@@ -32,9 +32,11 @@ from yaie.config import GENERATION_CONFIGS
 from yaie.engine.async_engine import AsyncEngine
 from yaie.errors import InvalidRequestError
 from yaie.sampling_params import SamplingParams
+from yaie.server import anthropic_protocol as anthropic
 from yaie.server import protocol as p
 from yaie.server import responses
 from yaie.server import responses_protocol as rp
+from yaie.server.anthropic_messages import ANTHROPIC_EVENTS, AnthropicMessage
 from yaie.server.chat_completions import ChatCompletion
 from yaie.server.completions import Completion
 from yaie.server.errors import APIError, add_error_handlers, model_not_found
@@ -216,6 +218,36 @@ class OpenAIServer:
         self.responses.delete(response_id)
         return _json(rp.DeletedResponse(id=response_id))
 
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API, as the chat completion request it maps onto."""
+        body = anthropic.parse(anthropic.MessagesRequest, await request.body())
+        self._check_model(body.model)
+        chat = body.to_chat()
+        params = body.to_sampling_params(chat, self.tool_format, self.defaults.sampling)
+        prompt = await self._encode_chat(chat)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        try:
+            generation = await self._start(request, chat, params, [(message_id, prompt)])
+        except InvalidRequestError as exc:
+            raise anthropic.translate_error(exc) from exc
+        message = AnthropicMessage(message_id, self.model_name, chat, self.tool_format)
+        if body.stream:
+            return event_stream(message.events(generation), ANTHROPIC_EVENTS)
+        finals = await generation.final_outputs()
+        return _json(message.response(finals, generation.usage()))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """How many tokens a Messages request's prompt is (Anthropic's count_tokens)."""
+        body = anthropic.parse(anthropic.CountTokensRequest, await request.body())
+        self._check_model(body.model)
+        prompt = await self._encode_chat(body.chat_request())
+        return _json(anthropic.CountTokensResponse(input_tokens=len(prompt)))
+
+    async def _encode_chat(self, chat: p.ChatCompletionRequest) -> list[int]:
+        messages = chat.template_messages()
+        self._check_chars([message["content"] for message in messages], "messages")
+        return await self.engine.encode_chat(messages, chat.tool_definitions)
+
     async def models(self) -> Response:
         card = p.ModelCard(
             id=self.model_name,
@@ -293,6 +325,9 @@ def build_app(
     app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
+    # Anthropic's Messages API; the bodies are parsed by the handlers, to answer in its error shape.
+    app.add_api_route("/v1/messages", server.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     app.add_api_route("/health", server.health, methods=["GET"])

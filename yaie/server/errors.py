@@ -5,11 +5,16 @@ without the API key, 404 for an unknown model, 413 for a body too large, 429 whe
 requests wait, 500 when the engine fails on a request, 503 while shutting down. Inside an event
 stream, which has already answered 200, a failure is sent as one last error event instead
 (streaming.py).
+
+Anthropic's routes (/v1/messages...) answer the same errors in Anthropic's shape,
+`{"type": "error", "error": {"type", "message"}}` (anthropic_protocol.error_body), since its
+clients read that one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from yaie.engine.async_engine import EngineClosedError, EngineOverloadedError, RequestFailedError
 from yaie.errors import InvalidRequestError, YaieError
+from yaie.server import anthropic_protocol as anthropic
 from yaie.server import protocol as p
 
 RETRY_AFTER_SECONDS = 1  # what a 429 tells the client to wait
@@ -38,9 +44,17 @@ class APIError(Exception):
         self.info = p.ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers
 
-    def response(self) -> JSONResponse:
-        body = p.ErrorResponse(error=self.info).model_dump()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the API serving `path` writes its errors (OpenAI's, unless another API's)."""
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
+
+    def body(self, path: str = "") -> dict[str, Any]:
+        if path.startswith(ANTHROPIC_PATHS):
+            return anthropic.error_body(self.status, self.info.message)
+        return p.ErrorResponse(error=self.info).model_dump()
+
+
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's Messages API: its clients read its error shape
 
 
 class ClientDisconnected(APIError):
@@ -89,7 +103,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
-    return api_error(exc).response()
+    return api_error(exc).response(request.url.path)
 
 
 async def _on_invalid_request(request: Request, exc: Exception) -> Response:
@@ -97,12 +111,12 @@ async def _on_invalid_request(request: Request, exc: Exception) -> Response:
     error = p.describe_validation_error(exc.errors())
     if error.param is None and not _is_json(request.headers.get("content-type")):
         error = InvalidRequestError("the body must be JSON, sent with Content-Type: application/json")
-    return api_error(error).response()
+    return api_error(error).response(request.url.path)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response(request.url.path)
 
 
 def _is_json(content_type: str | None) -> bool:

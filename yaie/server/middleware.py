@@ -11,7 +11,8 @@ from yaie.server.errors import APIError
 
 
 class RequireAPIKey:
-    """Without `Authorization: Bearer <key>`, only `public_paths` answer.
+    """Without `Authorization: Bearer <key>` (or `x-api-key: <key>`, Anthropic's header), only
+    `public_paths` answer.
 
     Checked before anything reads the body, so a client without the key learns nothing else.
     The scheme's name is case-insensitive (RFC 9110); the key is compared in constant time.
@@ -24,15 +25,17 @@ class RequireAPIKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public_paths:
-            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
+            headers = dict(scope["headers"])
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
+            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected):
                 error = APIError(
                     401,
                     "missing or incorrect API key",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -65,7 +68,7 @@ class LimitRequestBytes:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._too_large().response()(scope, receive, send)
+                await self._too_large().response(scope["path"])(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from yaie.engine.async_engine import RequestStream
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.server import protocol as p
-from yaie.server.errors import ClientDisconnected, api_error
+from yaie.server.errors import APIError, ClientDisconnected, api_error
 from yaie.server.metrics import RequestTracker, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -34,31 +34,43 @@ def event(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-def event_stream(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
-    """`chunks` as a 200 response of server-sent events, ending with [DONE]."""
+@dataclass(frozen=True)
+class EventFormat:
+    """How an API writes its event stream: each chunk, a failure once the stream has answered
+    200, and the end of the stream ("" for none)."""
+
+    chunk: Callable[[BaseModel], str]
+    error: Callable[[APIError], str]
+    done: str
+
+
+OPENAI_EVENTS = EventFormat(event, lambda error: event(p.ErrorResponse(error=error.info)), DONE_EVENT)
+
+
+def event_stream(
+    chunks: AsyncGenerator[BaseModel, None], sse: EventFormat = OPENAI_EVENTS
+) -> StreamingResponse:
+    """`chunks` as a 200 response of server-sent events, ending with [DONE] (OpenAI's)."""
     # X-Accel-Buffering: proxies such as nginx would otherwise hold tokens back.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(_events(chunks), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_events(chunks, sse), media_type="text/event-stream", headers=headers)
 
 
-async def _events(chunks: AsyncGenerator[BaseModel, None]) -> AsyncIterator[str]:
+async def _events(chunks: AsyncGenerator[BaseModel, None], sse: EventFormat) -> AsyncIterator[str]:
     # The stream has already answered 200, so a failure is sent as one last error event.
     async with contextlib.aclosing(chunks):
         try:
             async for chunk in chunks:
-                yield event(chunk)
+                yield sse.chunk(chunk)
         except ClientDisconnected:
             return  # nobody is left to read the rest
         except Exception as exc:
-            yield _error_event(exc)
-    yield DONE_EVENT
-
-
-def _error_event(exc: Exception) -> str:
-    error = api_error(exc)
-    if error.status == 500:
-        logger.error("a streamed request failed", exc_info=exc)
-    return event(p.ErrorResponse(error=error.info))
+            error = api_error(exc)
+            if error.status == 500:
+                logger.error("a streamed request failed", exc_info=exc)
+            yield sse.error(error)
+    if sse.done:
+        yield sse.done
 
 
 async def merge(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
