@@ -36,10 +36,11 @@ from yaie.errors import ModelLoadError, UnsupportedModelError
 from yaie.llm import LLM
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.config import ModelConfig
-from yaie.model.linear import DenseLinear
+from yaie.model.linear import ConcatLinear, DenseLinear
 from yaie.model.llama import CausalLM
 from yaie.model.loader import LoadedModel, load_model, load_weights
 from yaie.model.loader_gguf import GGUFCheckpoint
+from yaie.model.quantization import weight_types
 from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from yaie.ops import TorchOps, select_ops
 
@@ -152,15 +153,19 @@ def assert_dequantizes_to_dense(quantized: CausalLM, dense: CausalLM, types: dic
     """Every layer in `types` is a QuantizedLinear of that type whose weight is the dense one."""
     for name, weight_type in types.items():
         layer = quantized.get_submodule(name)
-        assert isinstance(layer, QuantizedLinear), name
         assert layer.weight_type == weight_type, name
+        # A ConcatLinear (a fused projection whose parts keep different layouts) holds its rows part by part.
+        parts = layer.parts if isinstance(layer, ConcatLinear) else [layer]
+        assert all(isinstance(p, QuantizedLinear) for p in parts), name
+        weight = torch.cat([p.dequantize() for p in parts])
         expected = dense.get_submodule(name).weight
-        torch.testing.assert_close(layer.dequantize(), expected, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(weight, expected, rtol=1e-6, atol=1e-7, msg=name)
         dense_bias = dense.get_submodule(name).bias
         if dense_bias is None:
-            assert layer.bias is None, name
+            assert all(p.bias is None for p in parts), name
         else:
-            torch.testing.assert_close(layer.bias, dense_bias, rtol=0, atol=0, msg=name)
+            bias = torch.cat([p.bias for p in parts])
+            torch.testing.assert_close(bias, dense_bias, rtol=0, atol=0, msg=name)
     # The file's embedding table stays quantized too; looking up every token gives the dense table.
     assert isinstance(quantized.embed_tokens, QuantizedEmbedding)
     every_token = torch.arange(dense.config.vocab_size)
@@ -239,7 +244,8 @@ def test_qwen2_tied_head_is_the_quantized_embedding(
 def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch):
     """Q4_K and Q6_K weights (written as raw blocks), and fused shards of different types:
     gate Q8_0 with up Q6_K share one 8-bit layer (a scale per 16); q, k in Q4_K beside v in
-    Q6_K cannot share one, so qkv runs dense."""
+    Q6_K cannot share one (4-bit with mins, 8-bit without), so qkv is a Q4_K layer for q and k
+    and a Q6_K one for v, their outputs concatenated: never dequantized to float32."""
     raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "up_proj": Q.Q6_K,
                  "down_proj": Q.Q6_K}  # fmt: skip
     path = write_raw_types(tmp_path / "k.gguf", vocab, raw_types, Q.Q6_K, seed=13)
@@ -247,11 +253,35 @@ def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch)
     ours = load(path, "auto")
     types = {"lm_head": "Q6_K"}
     for i in range(NUM_LAYERS):
-        types |= {f"layers.{i}.self_attn.o_proj": "Q4_K", f"layers.{i}.mlp.gate_up_proj": "Q6_K+Q8_0",
+        types |= {f"layers.{i}.self_attn.qkv_proj": "Q4_K+Q6_K", f"layers.{i}.self_attn.o_proj": "Q4_K",
+                  f"layers.{i}.mlp.gate_up_proj": "Q6_K+Q8_0",
                   f"layers.{i}.mlp.down_proj": "Q6_K"}  # fmt: skip
-        assert isinstance(ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj"), DenseLinear)
+        qkv = ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj")
+        assert isinstance(qkv, ConcatLinear)
+        assert [(p.weight_type, p.out_features) for p in qkv.parts] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
     assert ours.quantization == "Q4_K, Q6_K, Q6_K+Q8_0"
+    # The startup line's count: each part a layer in its own type, none float32.
+    assert weight_types(ours.model) == {"Q4_K": 4, "Q6_K": 5, "Q6_K+Q8_0": 2}
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+def test_dense_shard_beside_quantized_ones(tmp_path, vocab, llama, native_kernels, monkeypatch):
+    """v stored F16 beside q, k in Q4_0: q and k stay one Q4_0 layer, v's rows a dense one."""
+    overrides = {f"model.layers.{i}.self_attn.v_proj.weight": Q.F16 for i in range(NUM_LAYERS)}
+    path = write(tmp_path, vocab, "llama", llama, Q.Q4_0, type_overrides=overrides)
+    ours = load(path, "auto")
+    dense = dense_weights(path)
+    for i in range(NUM_LAYERS):
+        qkv = ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj")
+        assert isinstance(qkv, ConcatLinear)
+        q_k, v = qkv.parts
+        assert isinstance(q_k, QuantizedLinear) and q_k.weight_type == "Q4_0"
+        assert isinstance(v, DenseLinear) and v.weight_type == "float32"
+        expected = dense.get_submodule(f"layers.{i}.self_attn.qkv_proj").weight
+        torch.testing.assert_close(q_k.dequantize(), expected[: q_k.out_features], rtol=1e-6, atol=1e-7)
+    assert ours.quantization == "Q4_0"
     ours_logits = checked_logits(ours, monkeypatch)
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))
 
