@@ -87,7 +87,7 @@ def write(tmp_path: Path, vocab, arch: str, model, qtype, **kw) -> Path:
 # Each type's float16 fields' byte offsets, and a spread of its super-block scale d that makes
 # weights O(1 / sqrt(cols)) (d times the spread of its sub-scales and values).
 K_BLOCK_SCALES = {
-    Q.Q4_K: ((0, 2), 4e-4), Q.Q6_K: ((208,), 4e-4), Q.Q3_K: ((108,), 1.5e-3), Q.IQ4_NL: ((0,), 1e-3),
+    Q.Q4_K: ((0, 2), 2e-4), Q.Q6_K: ((208,), 4e-4), Q.Q3_K: ((108,), 1.5e-3), Q.IQ4_NL: ((0,), 1e-3),
     Q.IQ4_XS: ((0,), 5e-5),
 }  # fmt: skip
 
