@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter
+from gguf.quants import quantize
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -376,17 +377,29 @@ def test_unsupported_architecture_is_named(tmp_path):
         load_model(str(path), torch.float32, CPU)
 
 
-def test_unsupported_tensor_type_q5_0(tmp_path, vocab, llama):
-    path = write(
-        tmp_path,
-        vocab,
-        "llama",
-        llama,
-        Q.Q8_0,
-        type_overrides={"model.layers.1.mlp.down_proj.weight": Q.Q5_0},
-    )
-    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_down\.weight.*Q5_0"):
+def test_unsupported_tensor_type_tq1_0(tmp_path, vocab, llama):
+    # A type gguf-py quantizes (TQ1_0: 256 values a block, so a [256, 256] weight) that yaie does
+    # not run: the file names the tensor and its type.
+    signs = np.sign(np.random.default_rng(0).standard_normal((256, 256))).astype(np.float32)
+    extra = {"blk.1.ffn_down_exps.weight": (quantize(signs, Q.TQ1_0), Q.TQ1_0)}
+    path = write(tmp_path, vocab, "llama", llama, Q.Q8_0, extra_tensors=extra)
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_down_exps\.weight.*TQ1_0"):
         GGUFCheckpoint(str(path))
+
+
+def test_q5_0_loads_as_gguf_dequantizes_it(tmp_path, vocab, llama):
+    """Q5_0, once refused, loads (dense here, as gguf-py dequantizes; kept quantized in
+    tests/model/test_quantized_model.py)."""
+    path = write(tmp_path, vocab, "llama", llama, Q.Q8_0,
+                 type_overrides={"model.layers.1.mlp.down_proj.weight": Q.Q5_0})  # fmt: skip
+    weights = dict(GGUFCheckpoint(str(path)).weights(torch.float32))
+    expected = llama.state_dict()["model.layers.1.mlp.down_proj.weight"]
+    assert weights["model.layers.1.mlp.down_proj.weight"].shape == expected.shape
+    # Q5_0's step is max|w| / 16 per 32 values; rounding is within half a step, but -max clips to
+    # 15 steps below zero: within one step (and float16's rounding of the step).
+    bound = expected.abs().view(expected.shape[0], -1, 32).amax(-1, keepdim=True) / 16 * 1.01
+    error = (weights["model.layers.1.mlp.down_proj.weight"] - expected).abs().view(expected.shape[0], -1, 32)
+    assert bool((error <= bound).all())
 
 
 def test_unsupported_tensor_type_q5_k(tmp_path, vocab, llama):

@@ -36,7 +36,7 @@ from tests.model.test_quantized_model import (
 )
 from tests.model.tiny_models import make_tiny_model
 from yaie.errors import ModelLoadError, UnsupportedModelError
-from yaie.model.linear import DenseLinear
+from yaie.model.linear import ConcatLinear, DenseLinear
 from yaie.model.loader_hf import HFCheckpoint
 from yaie.model.quantized_linear import QuantizedLinear
 from yaie.ops import quant_layout, select_ops
@@ -223,16 +223,23 @@ def test_act_order_feeds_the_dequantizing_path_the_permuted_features(tmp_path, n
     assert ((layer(x).double() - expected).abs() <= bound).all()
 
 
-def test_act_order_shards_in_different_orders_run_dense(tmp_path, native_kernels, monkeypatch):
-    """q, k and v that take their input in different orders cannot share one packed layer:
-    dequantized into a dense one; the unfused layers stay int4."""
+def test_act_order_shards_in_different_orders_run_each_in_its_own(tmp_path, native_kernels, monkeypatch):
+    """q, k and v that take their input in different orders cannot share one packed layer: the
+    fused projection is a ConcatLinear of one int4 layer per shard, each in its own order."""
     layers = write_int4_checkpoint(tmp_path, "llama", Format("gptq", 32, desc_act=True), shared_orders=False)
     ours = load(tmp_path / "int4", "auto")
     for i in range(NUM_LAYERS):
         for name in LINEARS:
             layer = ours.model.get_submodule(f"layers.{i}.{name}")
-            fused = name in ("self_attn.qkv_proj", "mlp.gate_up_proj")
-            assert isinstance(layer, DenseLinear if fused else QuantizedLinear), name
+            if name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+                assert isinstance(layer, ConcatLinear), name
+                assert [type(p) for p in layer.parts] == [QuantizedLinear] * len(FUSED[name]), name
+                for part, hf in zip(layer.parts, FUSED[name], strict=True):
+                    assert isinstance(part, QuantizedLinear) and part.in_order is not None
+                    shard = layers[f"model.layers.{i}.{hf}"].dequantized()
+                    torch.testing.assert_close(part.dequantize(), shard, rtol=0, atol=0)
+            else:
+                assert isinstance(layer, QuantizedLinear), name
         torch.testing.assert_close(ours.model.layers[i].mlp.down_proj.dequantize(),
                                    fused_dequantized(layers, i, "mlp.down_proj"), rtol=0, atol=0)  # fmt: skip
     assert_logits_within_bound(checked_logits(ours, monkeypatch), logits(load(tmp_path / "dense", "none")))

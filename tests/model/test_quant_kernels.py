@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from yaie.model.gguf_blocks import unpack_gguf
 from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
@@ -29,9 +29,12 @@ from yaie.ops.quant_layout import pack_weight
 CPU = torch.device("cpu")
 
 T = GGMLQuantizationType
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
 # The byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN).
-FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+FP16_FIELDS = {
+    T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q5_0: (0,), T.Q3_K: (108,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+}  # fmt: skip
 
 # M, N, K: odd M and N (padded row groups), every M regime of the int8 kernels (blocks of four
 # rows and the remainder; on AVX512-VNNI tiles of four row groups against 16, 8, 4, 2 and 1 rows,
@@ -44,7 +47,7 @@ SHAPES = [
 # end (only types with 32-value blocks can have one).
 ODD_BLOCK_SHAPES = [(1, 5, 32), (1, 9, 288), (5, 7, 96), (11, 70, 288)]
 MATMUL_CASES = [(t, shape) for t in TYPES for shape in SHAPES] + [
-    (t, shape) for t in (T.Q8_0, T.Q4_0, T.Q4_1) for shape in ODD_BLOCK_SHAPES
+    (t, shape) for t in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.IQ4_NL) for shape in ODD_BLOCK_SHAPES
 ]
 
 
@@ -175,6 +178,16 @@ def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
     assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0], ids=lambda t: t.name)
+def test_weights_gguf_quantized_dequantize_to_what_gguf_computes(ggml_type):
+    """Blocks as gguf-py's quantizer writes them (llama.cpp's reference rounding), where it has one."""
+    gen = np.random.default_rng(5)
+    weight = (gen.standard_normal((9, 256)) * gen.uniform(0.01, 1, (9, 1))).astype(np.float32)
+    raw = quantize(weight, ggml_type)
+    layer = from_gguf(raw, ggml_type, 9, 256, ops=ops())
+    assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
+
+
 @pytest.mark.parametrize("path", ["native_kernels", "pytorch_only"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_embedding_rows_are_the_dequantized_weight_rows(ggml_type, path, request):
@@ -198,8 +211,12 @@ def test_embedding_refuses_ids_outside_the_table(native_kernels):
 
 
 # GGUF stores these formats' scales (and Q4_1's mins, Q4_0's -8 d) as float16 values; the
-# K-quants' are products of a float16 and a 6-bit or 8-bit integer, mostly not float16 values.
-SCALES_IN_FLOAT16 = {T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q4_K: False, T.Q6_K: False}
+# K-quants' (and IQ4_XS's) are products of a float16 and a 6-bit or 8-bit integer, mostly not
+# float16 values.
+SCALES_IN_FLOAT16 = {
+    T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q4_K: False, T.Q6_K: False, T.Q5_0: True, T.Q3_K: False,
+    T.IQ4_NL: True, T.IQ4_XS: False,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -243,7 +260,8 @@ def test_quantize_dense_weight(scheme, group_size, isa):
 
 
 def test_unsupported_type_names_itself_and_the_supported_ones():
-    with pytest.raises(ValueError, match=r"Q5_K.*supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+    supported = "Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q3_K, IQ4_NL, IQ4_XS"
+    with pytest.raises(ValueError, match=rf"Q5_K.*supported: {supported}"):
         from_gguf(b"", T.Q5_K, 4, 256, ops=ops())
 
 

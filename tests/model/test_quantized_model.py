@@ -36,10 +36,11 @@ from yaie.errors import ModelLoadError, UnsupportedModelError
 from yaie.llm import LLM
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.config import ModelConfig
-from yaie.model.linear import DenseLinear
+from yaie.model.linear import ConcatLinear, DenseLinear
 from yaie.model.llama import CausalLM
 from yaie.model.loader import LoadedModel, load_model, load_weights
 from yaie.model.loader_gguf import GGUFCheckpoint
+from yaie.model.quantization import weight_types
 from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from yaie.ops import TorchOps, select_ops
 
@@ -83,16 +84,43 @@ def write(tmp_path: Path, vocab, arch: str, model, qtype, **kw) -> Path:
                       tensor_type=qtype, **kw)  # fmt: skip
 
 
+# Each type's float16 fields' byte offsets, and a spread of its super-block scale d that makes
+# weights O(1 / sqrt(cols)) (d times the spread of its sub-scales and values).
+K_BLOCK_SCALES = {
+    Q.Q4_K: ((0, 2), 2e-4), Q.Q6_K: ((208,), 4e-4), Q.Q3_K: ((108,), 1.5e-3), Q.IQ4_NL: ((0,), 1e-3),
+    Q.IQ4_XS: ((0,), 5e-5),
+}  # fmt: skip
+
+
 def random_k_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
-    """Raw Q4_K / Q6_K blocks (gguf-py cannot quantize to them): random values and packed scales,
-    small float16 super-block scales so that weights are O(1 / sqrt(cols))."""
+    """Raw blocks of a type gguf-py cannot quantize to: random values and packed scales, small
+    float16 scales so that weights are O(1 / sqrt(cols))."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = gen.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    offsets = (0, 2) if qtype == Q.Q4_K else (208,)  # d (and dmin) fields
+    offsets, spread = K_BLOCK_SCALES[qtype]
     for offset in offsets:
-        scale = (gen.standard_normal((rows, cols // block, 1)) * 4e-4).astype(np.float16)
+        scale = (gen.standard_normal((rows, cols // block, 1)) * spread).astype(np.float16)
         raw[..., offset : offset + 2] = scale.view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def write_raw_types(path: Path, vocab, raw_types: dict[str, Q], head: Q, seed: int) -> Path:
+    """A llama whose projections named in `raw_types` (q_proj, up_proj, ...) and LM head are
+    random raw blocks of those types; every other weight Q8_0."""
+    cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
+    model = randomize(LlamaForCausalLM(cfg), seed=seed)
+    gen = np.random.default_rng(seed)
+    state, extra = {}, {}
+    for name, tensor in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if kind in raw_types or name == "lm_head.weight":
+            qtype = raw_types.get(kind, head)
+            raw = random_k_blocks(qtype, tensor.shape[0], tensor.shape[1], gen)
+            extra[gguf_tensor_name("llama", NUM_LAYERS, name)] = (raw, qtype)
+        else:
+            state[name] = tensor
+    write_gguf(path, "llama", cfg, state, *vocab, tensor_type=Q.Q8_0, extra_tensors=extra)
+    return path
 
 
 def load(path: Path, quantization: str) -> LoadedModel:
@@ -125,15 +153,19 @@ def assert_dequantizes_to_dense(quantized: CausalLM, dense: CausalLM, types: dic
     """Every layer in `types` is a QuantizedLinear of that type whose weight is the dense one."""
     for name, weight_type in types.items():
         layer = quantized.get_submodule(name)
-        assert isinstance(layer, QuantizedLinear), name
         assert layer.weight_type == weight_type, name
+        # A ConcatLinear (a fused projection whose parts keep different layouts) holds its rows part by part.
+        parts = layer.parts if isinstance(layer, ConcatLinear) else [layer]
+        assert all(isinstance(p, QuantizedLinear) for p in parts), name
+        weight = torch.cat([p.dequantize() for p in parts])
         expected = dense.get_submodule(name).weight
-        torch.testing.assert_close(layer.dequantize(), expected, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(weight, expected, rtol=1e-6, atol=1e-7, msg=name)
         dense_bias = dense.get_submodule(name).bias
         if dense_bias is None:
-            assert layer.bias is None, name
+            assert all(p.bias is None for p in parts), name
         else:
-            torch.testing.assert_close(layer.bias, dense_bias, rtol=0, atol=0, msg=name)
+            bias = torch.cat([p.bias for p in parts])
+            torch.testing.assert_close(bias, dense_bias, rtol=0, atol=0, msg=name)
     # The file's embedding table stays quantized too; looking up every token gives the dense table.
     assert isinstance(quantized.embed_tokens, QuantizedEmbedding)
     every_token = torch.arange(dense.config.vocab_size)
@@ -182,7 +214,7 @@ def checked_logits(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> torc
 # --- GGUF files in the types they store --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0], ids=lambda q: q.name)
 def test_llama_runs_as_stored(tmp_path, vocab, llama, qtype, native_kernels, monkeypatch):
     path = write(tmp_path, vocab, "llama", llama, qtype)
     ours = load(path, "auto")
@@ -212,31 +244,92 @@ def test_qwen2_tied_head_is_the_quantized_embedding(
 def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch):
     """Q4_K and Q6_K weights (written as raw blocks), and fused shards of different types:
     gate Q8_0 with up Q6_K share one 8-bit layer (a scale per 16); q, k in Q4_K beside v in
-    Q6_K cannot share one, so qkv runs dense."""
-    cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
-    model = randomize(LlamaForCausalLM(cfg), seed=13)
+    Q6_K cannot share one (4-bit with mins, 8-bit without), so qkv is a Q4_K layer for q and k
+    and a Q6_K one for v, their outputs concatenated: never dequantized to float32."""
     raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "up_proj": Q.Q6_K,
                  "down_proj": Q.Q6_K}  # fmt: skip
-    gen = np.random.default_rng(0)
-    state, extra = {}, {}
-    for name, tensor in model.state_dict().items():
-        kind = name.split(".")[-2]
-        if kind in raw_types or name == "lm_head.weight":
-            qtype = raw_types.get(kind, Q.Q6_K)
-            raw = random_k_blocks(qtype, tensor.shape[0], tensor.shape[1], gen)
-            extra[gguf_tensor_name("llama", NUM_LAYERS, name)] = (raw, qtype)
-        else:
-            state[name] = tensor
-    path = tmp_path / "k.gguf"
-    write_gguf(path, "llama", cfg, state, *vocab, tensor_type=Q.Q8_0, extra_tensors=extra)
+    path = write_raw_types(tmp_path / "k.gguf", vocab, raw_types, Q.Q6_K, seed=13)
 
     ours = load(path, "auto")
     types = {"lm_head": "Q6_K"}
     for i in range(NUM_LAYERS):
-        types |= {f"layers.{i}.self_attn.o_proj": "Q4_K", f"layers.{i}.mlp.gate_up_proj": "Q6_K+Q8_0",
+        types |= {f"layers.{i}.self_attn.qkv_proj": "Q4_K+Q6_K", f"layers.{i}.self_attn.o_proj": "Q4_K",
+                  f"layers.{i}.mlp.gate_up_proj": "Q6_K+Q8_0",
                   f"layers.{i}.mlp.down_proj": "Q6_K"}  # fmt: skip
-        assert isinstance(ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj"), DenseLinear)
+        qkv = ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj")
+        assert isinstance(qkv, ConcatLinear)
+        assert [(p.weight_type, p.out_features) for p in qkv.parts] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
     assert ours.quantization == "Q4_K, Q6_K, Q6_K+Q8_0"
+    # The startup line's count: each part a layer in its own type, none float32.
+    assert weight_types(ours.model) == {"Q4_K": 4, "Q6_K": 5, "Q6_K+Q8_0": 2}
+    assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+def test_dense_shard_beside_quantized_ones(tmp_path, vocab, llama, native_kernels, monkeypatch):
+    """v stored F16 beside q, k in Q4_0: q and k stay one Q4_0 layer, v's rows a dense one."""
+    overrides = {f"model.layers.{i}.self_attn.v_proj.weight": Q.F16 for i in range(NUM_LAYERS)}
+    path = write(tmp_path, vocab, "llama", llama, Q.Q4_0, type_overrides=overrides)
+    ours = load(path, "auto")
+    dense = dense_weights(path)
+    for i in range(NUM_LAYERS):
+        qkv = ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj")
+        assert isinstance(qkv, ConcatLinear)
+        q_k, v = qkv.parts
+        assert isinstance(q_k, QuantizedLinear) and q_k.weight_type == "Q4_0"
+        assert isinstance(v, DenseLinear) and v.weight_type == "float32"
+        expected = dense.get_submodule(f"layers.{i}.self_attn.qkv_proj").weight
+        torch.testing.assert_close(q_k.dequantize(), expected[: q_k.out_features], rtol=1e-6, atol=1e-7)
+    assert ours.quantization == "Q4_0"
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
+def test_int8_mapped_types_run_as_stored(tmp_path, vocab, qtype, native_kernels, monkeypatch):
+    """Types gguf-py cannot quantize to, every projection and the LM head in `qtype` (raw
+    blocks): each runs in the 8-bit layout, dequantizing to what gguf-py computes."""
+    kinds = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    path = tmp_path / f"{qtype.name}.gguf"
+    write_raw_types(path, vocab, dict.fromkeys(kinds, qtype), qtype, seed=14)
+
+    ours = load(path, "auto")
+    assert ours.quantization == qtype.name
+    types = dict.fromkeys(linear_names(NUM_LAYERS), qtype.name)
+    assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+def test_int8_mapped_shards_of_different_types_share_one_layer(tmp_path, vocab, native_kernels, monkeypatch):
+    """q Q3_K, k IQ4_XS, v Q6_K stack into one 8-bit layer scaled per 16; gate IQ4_NL beside up
+    Q8_0 into one scaled per 32; down Q5_0 (gguf-py quantizes it)."""
+    raw_types = {"q_proj": Q.Q3_K, "k_proj": Q.IQ4_XS, "v_proj": Q.Q6_K, "o_proj": Q.IQ4_XS,
+                 "gate_proj": Q.IQ4_NL}  # fmt: skip
+    cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
+    model = randomize(LlamaForCausalLM(cfg), seed=15)
+    gen = np.random.default_rng(15)
+    state, extra = {}, {}
+    for name, tensor in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if kind in raw_types:
+            raw = random_k_blocks(raw_types[kind], tensor.shape[0], tensor.shape[1], gen)
+            extra[gguf_tensor_name("llama", NUM_LAYERS, name)] = (raw, raw_types[kind])
+        else:
+            state[name] = tensor
+    overrides = {f"model.layers.{i}.mlp.down_proj.weight": Q.Q5_0 for i in range(NUM_LAYERS)}
+    path = tmp_path / "mixed8.gguf"
+    write_gguf(path, "llama", cfg, state, *vocab, tensor_type=Q.Q8_0, extra_tensors=extra,
+               type_overrides=overrides)  # fmt: skip
+
+    ours = load(path, "auto")
+    types = {"lm_head": "Q8_0"}
+    for i in range(NUM_LAYERS):
+        types |= {f"layers.{i}.self_attn.qkv_proj": "IQ4_XS+Q3_K+Q6_K",
+                  f"layers.{i}.self_attn.o_proj": "IQ4_XS", f"layers.{i}.mlp.gate_up_proj": "IQ4_NL+Q8_0",
+                  f"layers.{i}.mlp.down_proj": "Q5_0"}  # fmt: skip
+    assert ours.quantization == "IQ4_NL+Q8_0, IQ4_XS, IQ4_XS+Q3_K+Q6_K, Q5_0, Q8_0"
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))

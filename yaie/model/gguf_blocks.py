@@ -1,5 +1,13 @@
-"""GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) unpacked into values and scales
-in row order (quant_layout.Unpacked), ready to be packed for the kernels."""
+"""GGUF's quantized block formats unpacked into values and scales in row order
+(quant_layout.Unpacked), ready to be packed for the kernels.
+
+Each type maps exactly onto one of the kernels' two layouts: 4-bit values with a scale and a min
+per 32 (Q4_0, Q4_1, Q4_K), or int8 values with a scale per 32 (Q8_0; Q5_0's q - 16; IQ4_NL's and
+IQ4_XS's table values) or per 16 (Q6_K; Q3_K's signed 3-bit values). "Exactly": every weight
+dequantizes to the float32 the `gguf` package computes, the same product of the same two
+factors. The 5-bit types thus take 8 bits a value in memory, the IQ4 types too (their table
+values are not evenly spaced, so no 4-bit scale and min reproduces them).
+"""
 
 from __future__ import annotations
 
@@ -62,12 +70,73 @@ def _unpack_q6_k(blocks: np.ndarray) -> Unpacked:
     return Unpacked(values, scales, None, 16)
 
 
+def _high_bits(bits: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of each byte, for i in 0..count-1, as [..., count, bytes]: Q5's and Q3_K's high
+    bits, where value j of a run of 32 (or 8 runs) takes bit (run) of byte j."""
+    shifts = np.arange(count, dtype=np.uint8).reshape(count, 1)
+    high: np.ndarray = (bits[..., None, :] >> shifts) & 1
+    return high
+
+
+def _unpack_q5_0(blocks: np.ndarray) -> Unpacked:
+    """d, 32 high bits (bit j of a little-endian uint32 is value j's), then 4-bit values as Q4_0
+    lays them out; w = d * (q - 16)."""
+    d = _fp16(blocks, 0)
+    high = np.swapaxes(_high_bits(blocks[..., 2:6], 8), -1, -2)  # [..., byte, bit]: value 8 byte + bit
+    q = _nibbles(blocks[..., 6:]) | (high.reshape(*blocks.shape[:-1], 32) << 4)
+    return Unpacked((q.astype(np.int16) - 16).astype(np.int8), d[..., 0], None, BLOCK)
+
+
+# IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a 4-bit index picks one.
+_IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _unpack_iq4_nl(blocks: np.ndarray) -> Unpacked:
+    """d, then 4-bit indices into _IQ4_LEVELS laid out as Q4_0's values; w = d * level."""
+    d = _fp16(blocks, 0)
+    return Unpacked(_IQ4_LEVELS[_nibbles(blocks[..., 2:])], d[..., 0], None, BLOCK)
+
+
+def _unpack_iq4_xs(blocks: np.ndarray) -> Unpacked:
+    """256-value super-blocks: d, the 2 high bits of eight 6-bit scales (a uint16), their 4 low
+    bits (4 bytes), then eight runs of 16 bytes laid out as IQ4_NL's blocks.
+    w = d * (scale - 32) * level."""
+    lead = blocks.shape[:-1]
+    d = _fp16(blocks, 0)
+    high = blocks[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))
+    low = np.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], axis=-1).reshape(*lead, 8)
+    scales = (low | ((high & 0x03).astype(np.uint8) << 4)).astype(np.float32) - 32
+    values = _IQ4_LEVELS[_nibbles(blocks[..., 8:].reshape(*lead, 8, 16))]
+    return Unpacked(values.reshape(*lead, 256), d * scales, None, BLOCK)
+
+
+def _unpack_q3_k(blocks: np.ndarray) -> Unpacked:
+    """256-value super-blocks: a high-bit mask (32 bytes: value 32 r + j takes bit r of byte j),
+    2 low bits of each value (64 bytes: two runs of 128 values, each 4 x 32 at bit shifts 0, 2, 4,
+    6), sixteen 6-bit scales packed in 12 bytes, d. q = low - 4 where the high bit is clear,
+    scale = d * (6-bit - 32), one per 16 values."""
+    lead = blocks.shape[:-1]
+    high = _high_bits(blocks[..., 0:32], 8)  # [..., 8 runs, 32]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    low = (blocks[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [..., 2, 4, 32]
+    q = low.reshape(*lead, 8, 32).astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)
+    packed = blocks[..., 96:108]
+    nibbles = np.stack([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-2).reshape(*lead, 16)
+    twos = (packed[..., 8:12].reshape(*lead, 1, 4) >> shifts) & 3  # [..., 4 shifts, 4 bytes]
+    scales = (nibbles | (twos.reshape(*lead, 16) << 4)).astype(np.float32) - 32
+    return Unpacked(q.reshape(*lead, 256), _fp16(blocks, 108) * scales, None, 16)
+
+
 _UNPACKERS = {
     GGMLQuantizationType.Q8_0: _unpack_q8_0,
     GGMLQuantizationType.Q4_0: _unpack_q4_0,
     GGMLQuantizationType.Q4_1: _unpack_q4_1,
     GGMLQuantizationType.Q4_K: _unpack_q4_k,
     GGMLQuantizationType.Q6_K: _unpack_q6_k,
+    GGMLQuantizationType.Q5_0: _unpack_q5_0,
+    GGMLQuantizationType.Q3_K: _unpack_q3_k,
+    GGMLQuantizationType.IQ4_NL: _unpack_iq4_nl,
+    GGMLQuantizationType.IQ4_XS: _unpack_iq4_xs,
 }
 SUPPORTED_GGML_TYPES = tuple(_UNPACKERS)
 

@@ -1,8 +1,9 @@
 """Linear layers: what every one keeps (Linear), and the dense one (DenseLinear).
 
 A model is built with DenseLinear projections; the loader replaces those whose weights stay
-quantized by QuantizedLinear (yaie/model/quantized_linear.py). Both are a Linear, so the modules
-that call them never ask which they hold.
+quantized by QuantizedLinear (yaie/model/quantized_linear.py), and a fused projection whose parts
+cannot share one layout (q, k in Q4_K beside v in Q6_K) by a ConcatLinear of a layer per part.
+All are a Linear, so the modules that call them never ask which they hold.
 """
 
 from __future__ import annotations
@@ -76,3 +77,28 @@ class DenseLinear(Linear):
     @property
     def weight_type(self) -> str:
         return str(self.weight.dtype if self.packed is None else self.packed.dtype).removeprefix("torch.")
+
+
+class ConcatLinear(Linear):
+    """A fused projection (q, k, v; gate, up) held as consecutive row blocks, each its own
+    Linear: y = [part_0(x) | part_1(x) | ...]. The loader makes one where the parts' stored types
+    share no packed layout (4-bit with mins beside 8-bit without), so that each keeps its own type
+    instead of all being dequantized to one dense weight."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("the parts of a fused projection must take the same input features")
+        self.parts = parts
+        for i, part in enumerate(parts):
+            self.add_module(f"part{i}", part)  # a submodule: in state_dict, pack() and modules()
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    @property
+    def weight_type(self) -> str:
+        """Its parts' types, "+"-joined in row order: Q4_K+Q6_K."""
+        return "+".join(p.weight_type for p in self.parts)

@@ -31,12 +31,11 @@ import torch
 from yaie.errors import ModelLoadError
 from yaie.model.config import ModelConfig
 from yaie.model.int4_checkpoints import Int4Weight
-from yaie.model.linear import DenseLinear
+from yaie.model.linear import ConcatLinear, DenseLinear, Linear
 from yaie.model.llama import CausalLM
 from yaie.model.loader_gguf import GGUFCheckpoint, QuantizedWeight
 from yaie.model.loader_hf import HFCheckpoint
 from yaie.model.quantization import (
-    float_bias,
     fuse,
     quantize_linears,
     quantized_types,
@@ -46,7 +45,7 @@ from yaie.model.quantization import (
 )
 from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from yaie.ops import select_ops
-from yaie.ops.quant_layout import pack_weight
+from yaie.ops.quant_layout import Unpacked, pack_weight
 
 logger = logging.getLogger(__name__)
 
@@ -202,28 +201,66 @@ def _place_quantized_embedding(model: CausalLM, table: StoredQuantized, dtype: t
 
 def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, StoredQuantized]) -> None:
     """Make the layer of weight `name` a QuantizedLinear of its shards' rows, stacked in order.
-    Where that cannot be (a shard stored dense, 4-bit beside 8-bit shards, shards that take their
-    input features in different orders) the quantized shards are dequantized into the dense
-    layer instead."""
+    Where the shards cannot share one packed layout (a shard stored dense, 4-bit beside 8-bit
+    shards, shards that take their input features in different orders), the layer becomes a
+    ConcatLinear of runs of consecutive shards that can, each kept in its own type (and a dense
+    shard's rows dense)."""
     module_name = name.removesuffix(".weight")
     linear = model.get_submodule(module_name)
     assert isinstance(linear, DenseLinear)
     order = FUSED_PROJECTIONS.get(_module_of(name), (None,))
-    # GPTQ act-order shards (yaie/model/int4_checkpoints.py) each take the input in their order.
-    in_orders = [w.in_order if isinstance(w, Int4Weight) else None for w in shards.values()]
-    shared = all(_same_order(o, in_orders[0]) for o in in_orders)
-    fused = fuse([shards[s].unpacked() for s in order]) if set(shards) == set(order) and shared else None
-    if fused is None:
-        types = _types(shards)
-        logger.info("%s: shards in %s share no quantized layout: running it dense", module_name, types)
-        for shard, weight in shards.items():
-            rows = slice(None) if shard is None else shard_rows(model.config, shard)
-            linear.weight.data[rows] = weight.dense(linear.weight.dtype)
+    unpacked = {shard: weight.unpacked() for shard, weight in shards.items()}
+    runs: list[list[str | None]] = []
+    for shard in order:
+        if runs and _same_layout(shards, unpacked, runs[-1][-1], shard):
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    parts = [_part(model, linear, shards, unpacked, run) for run in runs]
+    if len(parts) == 1:
+        replace_module(model, module_name, parts[0])
         return
-    in_order = None if in_orders[0] is None else torch.from_numpy(in_orders[0])
-    layer = QuantizedLinear(*pack_weight(fused), linear.weight.shape[0], float_bias(linear), _types(shards),
-                            in_order, ops=model.ops)  # fmt: skip
-    replace_module(model, module_name, layer)
+    logger.info("%s: shards in %s share no quantized layout: running them as %s", module_name,
+                _types(shards), "+".join(p.weight_type for p in parts))  # fmt: skip
+    replace_module(model, module_name, ConcatLinear(parts))
+
+
+def _same_layout(shards: dict[str | None, StoredQuantized], unpacked: dict[str | None, Unpacked],
+                 a: str | None, b: str | None) -> bool:
+    """Whether shards a and b of a fused projection can share one layer: both stored dense, or
+    both quantized with mins (4-bit) or both without (8-bit), taking their input features in one
+    order."""
+    if a not in shards or b not in shards:
+        return a not in shards and b not in shards
+    orders = [w.in_order if isinstance(w, Int4Weight) else None for w in (shards[a], shards[b])]
+    return (unpacked[a].mins is None) == (unpacked[b].mins is None) and _same_order(*orders)
+
+
+def _part(model: CausalLM, linear: DenseLinear, shards: dict[str | None, StoredQuantized],
+          unpacked: dict[str | None, Unpacked], run: list[str | None]) -> Linear:
+    """The rows of `linear` that the consecutive shards `run` fill, as one layer: quantized where
+    the shards are, else dense (rows load_weights copied in)."""
+    first, last = run[0], run[-1]
+    if first is None or last is None:  # not a fused projection: its one weight
+        rows = slice(0, linear.out_features)
+    else:
+        rows = slice(shard_rows(model.config, first).start, shard_rows(model.config, last).stop)
+    bias = None if linear.bias is None else linear.bias.detach()[rows]
+    if run[0] not in shards:
+        dense = DenseLinear(linear.in_features, rows.stop - rows.start, bias is not None)
+        dense.to(linear.weight.dtype)
+        dense.weight.data = linear.weight.data[rows].clone()
+        if bias is not None and dense.bias is not None:
+            dense.bias.data = bias.clone()
+        return dense
+    fused = fuse([unpacked[s] for s in run])
+    assert fused is not None  # _same_layout grouped the run
+    stored = shards[first]
+    order = stored.in_order if isinstance(stored, Int4Weight) else None
+    in_order = None if order is None else torch.from_numpy(order)
+    kernel_bias = None if bias is None else bias.float().clone()  # the kernels add it in float32
+    return QuantizedLinear(*pack_weight(fused), rows.stop - rows.start, kernel_bias,
+                           _types({s: shards[s] for s in run}), in_order, ops=model.ops)  # fmt: skip
 
 
 def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:

@@ -4,7 +4,7 @@ Translating into HF names and layouts here keeps the model code format-agnostic.
 differ from a HF checkpoint beyond names:
   * llama.cpp stores Q and K projection rows of Llama models permuted so that its RoPE can
     rotate adjacent pairs; HF rotates the two halves of each head. We undo the permutation.
-  * weights may be quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...): the `gguf` package
+  * weights may be quantized (Q8_0, Q4_K, Q6_K, ...: gguf_blocks.SUPPORTED_GGML_TYPES): the `gguf` package
     dequantizes them, or, where the caller keeps them quantized, they come out as
     `QuantizedWeight` (raw blocks; the Q/K un-permutation moves whole rows, so it applies to
     the unpacked rows just the same).
@@ -34,16 +34,8 @@ GGUF_ARCHITECTURES = {
 # Architectures whose Q/K rows llama.cpp's converter permutes.
 PERMUTED_QK = {"llama"}
 
-SUPPORTED_TENSOR_TYPES = {
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q6_K,
-}
+DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+SUPPORTED_TENSOR_TYPES = DENSE_TYPES | set(SUPPORTED_GGML_TYPES)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -212,8 +204,7 @@ class GGUFCheckpoint:
     @property
     def quantized_types(self) -> set[GGMLQuantizationType]:
         """The block formats the file's 2-D weights are stored in."""
-        dense = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-        return {t.tensor_type for t in self.reader.tensors if len(t.shape) == 2} - dense
+        return {t.tensor_type for t in self.reader.tensors if len(t.shape) == 2} - DENSE_TYPES
 
     def weights(self, dtype: torch.dtype, keep_quantized: bool = False
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from yaie.model.linear import DenseLinear, Linear
+from yaie.model.linear import ConcatLinear, DenseLinear, Linear
 from yaie.model.llama import CausalLM
 from yaie.model.quantized_linear import QuantizedLinear
 from yaie.ops.quant_layout import Unpacked
@@ -64,12 +64,16 @@ def quantize_linears(model: CausalLM, scheme: Literal["int8", "int4"]) -> None:
 
 
 def weight_types(model: nn.Module) -> Counter[str]:
-    """Linear layers by the type their weights run in: Q4_1, int8, float32, ..."""
-    return Counter(module.weight_type for module in model.modules() if isinstance(module, Linear))
+    """Linear layers by the type their weights run in: Q4_1, int8, float32, ...; a ConcatLinear
+    counts as its parts, each in its own type."""
+    return Counter(
+        m.weight_type for m in model.modules() if isinstance(m, Linear) and not isinstance(m, ConcatLinear)
+    )
 
 
 def quantized_types(model: nn.Module) -> list[str]:
-    """The types of the model's quantized linear layers, sorted: ["Q4_1", "Q6_K"]; [] if none."""
+    """The types of the model's quantized linear layers (a ConcatLinear's parts among them),
+    sorted: ["Q4_1", "Q6_K"]; [] if none."""
     return sorted({m.weight_type for m in model.modules() if isinstance(m, QuantizedLinear)})
 
 

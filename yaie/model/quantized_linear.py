@@ -1,6 +1,6 @@
-"""Linear layers and embedding tables whose weights stay quantized: GGUF Q8_0 / Q4_0 / Q4_1 /
-Q4_K / Q6_K as stored, AWQ / GPTQ int4 as stored, or int8 / int4 quantized from a dense weight at
-load (yaie/model/quantization.py says which runs when).
+"""Linear layers and embedding tables whose weights stay quantized: GGUF blocks as stored (the
+types yaie/model/gguf_blocks.py decodes), AWQ / GPTQ int4 as stored, or int8 / int4 quantized
+from a dense weight at load (yaie/model/quantization.py says which runs when).
 
 Every format is packed once into one of the kernels' two layouts (yaie/ops/quant_layout.py).
 The matmul quantizes each activation row to int8 blocks of 32 (llama.cpp's Q8_0 / Q8_1) and takes
