@@ -613,6 +613,11 @@ def completion_logprobs(
 
 # -- validation errors ------------------------------------------------------------------------
 
+def field_names(models: Sequence[type[BaseModel]]) -> frozenset[str]:
+    """The names (as the JSON spells them) of the fields of request models, for error paths."""
+    return frozenset(field.alias or name for model in models for name, field in model.model_fields.items())
+
+
 _REQUESTS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     CompletionRequest,
@@ -631,32 +636,33 @@ _REQUESTS: tuple[type[BaseModel], ...] = (
     NamedToolChoice,
     NamedFunction,
 )
-_FIELD_NAMES = frozenset(
-    field.alias or name for model in _REQUESTS for name, field in model.model_fields.items()
-)
+_FIELD_NAMES = field_names(_REQUESTS)
 
 
-def _param_path(loc: Sequence[int | str]) -> str | None:
+def _param_path(loc: Sequence[int | str], known_fields: frozenset[str]) -> str | None:
     """`messages[0].content` from pydantic's ("messages", 0, "content"). Other strings in a
     location name union branches ("list[int]") or dict keys, which are not part of the path."""
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in _FIELD_NAMES:
+        elif part in known_fields:
             path += f".{part}" if path else part
     return path or None
 
 
-def describe_validation_error(errors: Sequence[ErrorDetails]) -> InvalidRequestError:
-    """One InvalidRequestError for pydantic's (or FastAPI's) errors about a request body."""
+def describe_validation_error(
+    errors: Sequence[ErrorDetails], known_fields: frozenset[str] = _FIELD_NAMES
+) -> InvalidRequestError:
+    """One InvalidRequestError for pydantic's (or FastAPI's) errors about a request body;
+    `known_fields`: the names of the API's request fields (the OpenAI API's by default)."""
     # Of a union's failed branches, the one that got furthest is the most telling.
     error = max(errors, key=lambda e: len(e["loc"]))
     loc = error["loc"][1:] if error["loc"][:1] == ("body",) else error["loc"]  # FastAPI's prefix
     if error["type"] == "json_invalid":
         detail = error.get("ctx", {}).get("error", error["msg"])
         return InvalidRequestError(f"the body is not valid JSON: {detail}")
-    param = _param_path(loc)
+    param = _param_path(loc, known_fields)
     if param is None:
         return InvalidRequestError("the body must be a JSON object")
     if error["type"] == "missing":
