@@ -58,7 +58,7 @@ def test_stream_is_the_default_and_is_ndjson(server: Server) -> None:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in response.iter_lines()]
-    assert len(lines) > 2 and lines[-1]["done"] is True and lines[-1]["done_reason"] == "length"
+    assert len(lines) > 2 and lines[-1]["done"] is True and lines[-1]["done_reason"] in ("stop", "length")
     assert all(line["done"] is False for line in lines[:-1])
 
 
@@ -76,10 +76,12 @@ def test_generate_streamed_and_whole_agree(oclient: ollama.Client) -> None:
 
 
 def test_system_goes_through_the_chat_template(oclient: ollama.Client) -> None:
-    plain = oclient.generate(model=MODEL, prompt="Say hi.", options=GREEDY)
-    with_system = oclient.generate(model=MODEL, prompt="Say hi.", system="You are a pirate.", options=GREEDY)
-    assert with_system.prompt_eval_count and plain.prompt_eval_count
-    assert with_system.prompt_eval_count > plain.prompt_eval_count
+    system, prompt = "You are a pirate.", "Say hi."
+    generated = oclient.generate(model=MODEL, prompt=prompt, system=system, options=GREEDY)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    chatted = oclient.chat(model=MODEL, messages=messages, options=GREEDY)
+    assert generated.response == chatted.message.content
+    assert generated.prompt_eval_count == chatted.prompt_eval_count
 
 
 def test_raw_generate_is_the_prompt_as_is(oclient: ollama.Client, client: openai.OpenAI) -> None:
@@ -148,7 +150,7 @@ def test_format_schema_gives_valid_json(oclient: ollama.Client, stream: bool) ->
 
 
 def test_format_json_gives_a_json_object(oclient: ollama.Client) -> None:
-    prompt = "Reply with a JSON object with one key, ok, set to true."
+    prompt = 'Reply with the JSON object {"ok": true}.'
     response = oclient.generate(
         model=MODEL, prompt=prompt, format="json", options={"temperature": 0, "num_predict": 60}
     )
@@ -168,31 +170,57 @@ def get_weather(city: str) -> str:
     return f"It is sunny in {city}."
 
 
-WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris? Use the get_weather tool."}]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_tools_are_offered_to_the_model(oclient: ollama.Client) -> None:
+    # Left to choose (Ollama's only way), the small model answers in words; the tools still
+    # reach its prompt through the chat template.
+    options = {"temperature": 0, "num_predict": 8}
+    offered = oclient.chat(model=MODEL, messages=WEATHER_QUESTION, tools=[get_weather], options=options)
+    plain = oclient.chat(model=MODEL, messages=WEATHER_QUESTION, options=options)
+    assert offered.prompt_eval_count and plain.prompt_eval_count
+    assert offered.prompt_eval_count > plain.prompt_eval_count
+
+
+def chat_with_required_call(server: Server, stream: bool) -> list[ollama.ChatResponse]:
+    """A chat whose model must call (yaie's tool_choice extension, which the ollama client cannot
+    send), read as the ollama client reads responses."""
+    body = {
+        "model": MODEL, "messages": WEATHER_QUESTION, "tools": [WEATHER_TOOL], "tool_choice": "required",
+        "stream": stream, "options": {"temperature": 0, "num_predict": 60},
+    }  # fmt: skip
+    with server.http() as http:
+        response = http.post("/api/chat", json=body)
+    assert response.status_code == 200, response.text
+    return [ollama.ChatResponse(**json.loads(line)) for line in response.text.splitlines()]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_tools_give_calls_with_object_arguments(oclient: ollama.Client, stream: bool) -> None:
-    options = {"temperature": 0, "num_predict": 60}
-    if stream:
-        chunks = list(
-            oclient.chat(
-                model=MODEL, messages=WEATHER_QUESTION, tools=[get_weather], options=options, stream=True
-            )
-        )
-        calls = [call for chunk in chunks for call in chunk.message.tool_calls or []]
-        reason = chunks[-1].done_reason
-    else:
-        response = oclient.chat(model=MODEL, messages=WEATHER_QUESTION, tools=[get_weather], options=options)
-        calls, reason = list(response.message.tool_calls or []), response.done_reason
-    assert calls and reason == "stop"
-    assert calls[0].function.name == "get_weather"
-    assert isinstance(calls[0].function.arguments, dict) and "city" in calls[0].function.arguments
+def test_tools_give_calls_with_object_arguments(server: Server, stream: bool) -> None:
+    responses = chat_with_required_call(server, stream)
+    assert len(responses) > 1 if stream else len(responses) == 1
+    calls = [call for response in responses for call in response.message.tool_calls or []]
+    assert responses[-1].done and responses[-1].done_reason == "stop"
+    [call] = calls
+    assert call.function.name == "get_weather"
+    assert isinstance(call.function.arguments, dict) and isinstance(call.function.arguments["city"], str)
 
 
 def test_a_tool_loop_continues(oclient: ollama.Client, server: Server) -> None:
-    options = {"temperature": 0, "num_predict": 60}
-    first = oclient.chat(model=MODEL, messages=WEATHER_QUESTION, tools=[get_weather], options=options)
+    [first] = chat_with_required_call(server, stream=False)
     assert first.message.tool_calls
     call = first.message.tool_calls[0]
     messages: list[Any] = [
@@ -200,8 +228,10 @@ def test_a_tool_loop_continues(oclient: ollama.Client, server: Server) -> None:
         first.message,
         {"role": "tool", "content": get_weather(**call.function.arguments), "tool_name": call.function.name},
     ]
+    options = {"temperature": 0, "num_predict": 30}
     answer = oclient.chat(model=MODEL, messages=messages, tools=[get_weather], options=options)
-    assert answer.done and (answer.message.content or answer.message.tool_calls)
+    assert answer.done and answer.prompt_eval_count and first.prompt_eval_count
+    assert answer.prompt_eval_count > first.prompt_eval_count  # the call and its result are in the prompt
 
 
 def test_tags_show_ps_version(oclient: ollama.Client, server: Server) -> None:

@@ -112,6 +112,11 @@ def test_messages_with_calls_become_openai_turns() -> None:
     assert [call["function"]["arguments"] for call in calls] == [{"city": "Paris"}, {"city": "Rome"}]
     assert [turn["tool_call_id"] for turn in turns[2:]] == [call["id"] for call in calls]
     assert request.calls_tools and request.tool_names == ["weather"]
+    assert request.to_sampling_params().structured_outputs is None  # Ollama's way: the model chooses
+    named = {"type": "function", "function": {"name": "weather"}}
+    for choice in ("required", named):  # yaie's extension: the call's grammar
+        required = chat(messages=messages, tools=[tool], tool_choice=choice).to_openai()
+        assert required.to_sampling_params().structured_outputs is not None
 
 
 # OpenAI's arguments are JSON text, Ollama's an object.

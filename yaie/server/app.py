@@ -5,6 +5,7 @@ The parts, each in its own module: errors.py (every failure as OpenAI's error bo
 middleware.py (the API key, the body's size), streaming.py (following a call's engine requests,
 server-sent events), and one response builder per completion endpoint (chat_completions.py,
 completions.py), which streams deltas or builds the whole response from the finished outputs.
+Ollama's API (/api/*) is ollama.py's, over the same checks and engine requests.
 
 A request may leave out "model": there is one, the served model. Sampling fields it leaves out
 take the model's generation_config.json defaults (yaie/generation_config.py) unless the server

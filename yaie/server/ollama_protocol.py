@@ -156,6 +156,9 @@ class Message(OllamaModel):
 class ChatRequest(GenerationRequest):
     messages: list[Message] = []
     tools: list[p.Tool] | None = None
+    # yaie's extension, OpenAI's field: Ollama lets the model choose ("auto"), which a small
+    # model may never do; "required" or a named function makes it call (its grammar).
+    tool_choice: Literal["none", "auto", "required"] | p.NamedToolChoice | None = None
 
     def to_openai(self) -> p.ChatCompletionRequest:
         """The chat completion request this one asks for. Ollama's calls carry no ids, so each
@@ -179,6 +182,9 @@ class ChatRequest(GenerationRequest):
         body: dict[str, Any] = {"model": self.model, "messages": messages, **self.sampling_fields()}
         if self.tools:
             body["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            body["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
         return _openai(p.ChatCompletionRequest, body)
 
 
@@ -227,7 +233,7 @@ class ShowRequest(OllamaModel):
 
 REQUESTS: tuple[type[BaseModel], ...] = (
     ChatRequest, GenerateRequest, ShowRequest, Options, Message, ToolCallIn, FunctionCallIn,
-    p.Tool, p.FunctionDefinition,
+    p.Tool, p.FunctionDefinition, p.NamedToolChoice, p.NamedFunction,
 )  # fmt: skip
 FIELD_NAMES = p.field_names(REQUESTS)
 
