@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import ollama
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -114,6 +115,15 @@ def test_the_key_opens_the_api(limited: Server) -> None:
     assert response.choices[0].message.content
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{limited.base_url}/v1", api_key="wrong").models.list()
+
+
+def test_the_key_opens_ollamas_api(limited: Server) -> None:
+    # The ollama client sends OLLAMA_API_KEY as a Bearer token.
+    keyed = ollama.Client(host=limited.base_url, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert keyed.list().models
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama.Client(host=limited.base_url).list()
+    assert info.value.status_code == 401
 
 
 def test_disconnected_stream_frees_its_blocks(limited: Server) -> None:

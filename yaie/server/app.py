@@ -5,6 +5,7 @@ The parts, each in its own module: errors.py (every failure as OpenAI's error bo
 middleware.py (the API key, the body's size), streaming.py (following a call's engine requests,
 server-sent events), and one response builder per completion endpoint (chat_completions.py,
 completions.py), which streams deltas or builds the whole response from the finished outputs.
+Ollama's API (/api/*) is ollama.py's, over the same checks and engine requests.
 
 A request may leave out "model": there is one, the served model. Sampling fields it leaves out
 take the model's generation_config.json defaults (yaie/generation_config.py) unless the server
@@ -42,6 +43,7 @@ from yaie.server.completions import Completion
 from yaie.server.errors import APIError, add_error_handlers, model_not_found
 from yaie.server.metrics import RequestTracker, ServerMetrics
 from yaie.server.middleware import LimitRequestBytes, RequireAPIKey
+from yaie.server.ollama import OllamaAPI
 from yaie.server.responses import ResponseBuilder, ResponseStore
 from yaie.server.streaming import Generation, event_stream
 from yaie.server.web import PAGE_PATHS, web_router
@@ -333,6 +335,14 @@ def build_app(
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus_metrics, methods=["GET"])
+    # Ollama's API (yaie/server/ollama.py), for Open WebUI, editors and the ollama client
+    ollama = OllamaAPI(server)
+    app.add_api_route("/api/chat", ollama.chat, methods=["POST"])
+    app.add_api_route("/api/generate", ollama.generate, methods=["POST"])
+    app.add_api_route("/api/tags", ollama.tags, methods=["GET"])
+    app.add_api_route("/api/ps", ollama.ps, methods=["GET"])
+    app.add_api_route("/api/show", ollama.show, methods=["POST"])
+    app.add_api_route("/api/version", ollama.version, methods=["GET"])
     app.include_router(web_router(async_engine))
     add_error_handlers(app)
     # The last added runs first: the key is checked before the body is read.

@@ -613,6 +613,11 @@ def completion_logprobs(
 
 # -- validation errors ------------------------------------------------------------------------
 
+def field_names(models: Sequence[type[BaseModel]]) -> frozenset[str]:
+    """The names (as the JSON spells them) of the fields of request models, for error paths."""
+    return frozenset(field.alias or name for model in models for name, field in model.model_fields.items())
+
+
 _REQUESTS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     CompletionRequest,
@@ -631,11 +636,6 @@ _REQUESTS: tuple[type[BaseModel], ...] = (
     NamedToolChoice,
     NamedFunction,
 )
-
-
-def field_names(models: Sequence[type[BaseModel]]) -> frozenset[str]:
-    """The names requests of these models give their fields (an alias where one is set)."""
-    return frozenset(field.alias or name for model in models for name, field in model.model_fields.items())
 
 
 _FIELD_NAMES = field_names(_REQUESTS)
