@@ -17,7 +17,7 @@ from yaie.server import protocol as p
 from yaie.server import responses_protocol as rp
 from yaie.server.errors import APIError
 from yaie.server.responses import ResponseBuilder, ResponseStore
-from yaie.server.streaming import Update
+from yaie.server.streaming import Update, event_stream
 from yaie.structured.tool_formats import HERMES
 
 USAGE = p.Usage.of(prompt_tokens=7, completion_tokens=3, cached_tokens=2)
@@ -328,7 +328,12 @@ def test_a_failure_mid_stream_is_an_error_event() -> None:
             yield  # an async generator
 
     async def collect() -> list[dict[str, Any]]:
-        return [event async for event in builder(request(input="Hi")).events(Failing([], "stop"))]  # type: ignore[arg-type]
+        """The events as the stream writes them (the error event is written there)."""
+        answer = builder(request(input="Hi"))
+        stream = event_stream(answer.events(Failing([], "stop")), answer.event_format())  # type: ignore[arg-type]
+        text = "".join([str(chunk) async for chunk in stream.body_iterator])
+        lines = [line for line in text.splitlines() if line.startswith("data: ")]
+        return [json.loads(line.removeprefix("data: ")) for line in lines]
 
     events = asyncio.run(collect())
     assert [event["type"] for event in events] == ["response.created", "response.in_progress", "error"]

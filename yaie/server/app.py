@@ -35,7 +35,6 @@ from yaie.errors import InvalidRequestError
 from yaie.sampling_params import SamplingParams
 from yaie.server import anthropic_protocol as anthropic
 from yaie.server import protocol as p
-from yaie.server import responses
 from yaie.server import responses_protocol as rp
 from yaie.server.anthropic_messages import ANTHROPIC_EVENTS, AnthropicMessage
 from yaie.server.chat_completions import ChatCompletion
@@ -45,7 +44,7 @@ from yaie.server.metrics import RequestTracker, ServerMetrics
 from yaie.server.middleware import LimitRequestBytes, RequireAPIKey
 from yaie.server.ollama import OllamaAPI
 from yaie.server.responses import ResponseBuilder, ResponseStore
-from yaie.server.streaming import Generation, event_stream
+from yaie.server.streaming import OPENAI_EVENTS, Generation, event_stream
 from yaie.server.web import PAGE_PATHS, web_router
 from yaie.structured import tool_formats
 
@@ -156,7 +155,7 @@ class OpenAIServer:
         generation = await self._start(request, body, params, [(request_id, prompt)])
         completion = ChatCompletion(request_id, self.model_name, body, self.tool_format, self._decode_token)
         if body.stream:
-            return event_stream(completion.chunks(generation))
+            return event_stream(completion.chunks(generation), OPENAI_EVENTS)
         finals = await generation.final_outputs()
         return _json(completion.response(finals, generation.usage()))
 
@@ -185,7 +184,7 @@ class OpenAIServer:
             request_id, self.model_name, body, prompts, self.engine.decode, self._decode_token
         )
         if body.stream:
-            return event_stream(completion.chunks(generation))
+            return event_stream(completion.chunks(generation), OPENAI_EVENTS)
         finals = await generation.final_outputs()
         return _json(await completion.response(finals, generation.usage()))
 
@@ -209,7 +208,7 @@ class OpenAIServer:
             response_id, self.model_name, body, chat, params, history, self.tool_format, self.responses
         )
         if body.stream:
-            return responses.event_stream(builder.events(generation))
+            return event_stream(builder.events(generation), builder.event_format())
         finals = await generation.final_outputs()
         return _json(builder.response(finals, generation.usage()))
 

@@ -18,27 +18,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from yaie.outputs import RequestOutput
 from yaie.sampling_params import SamplingParams
 from yaie.server import protocol as p
 from yaie.server import responses_protocol as rp
-from yaie.server.errors import APIError, ClientDisconnected, api_error
-from yaie.server.streaming import Generation
+from yaie.server.errors import APIError
+from yaie.server.streaming import EventFormat, Generation
 from yaie.structured.tool_formats import ToolCallSplitter, ToolFormat
 from yaie.structured.tools import Event, ToolCall
-
-logger = logging.getLogger(__name__)
 
 # The store keeps the newest STORE_MAX_ENTRIES responses, each for STORE_TTL_SECONDS after it
 # finished: enough to continue a conversation or a tool loop, while a server that is never asked
@@ -111,17 +107,9 @@ class ResponseStore:
         return APIError(404, message, param=param, code="response_not_found")
 
 
-def event_stream(events: AsyncGenerator[dict[str, Any], None]) -> StreamingResponse:
-    """`events` as server-sent events named by their type (the Responses API sends no [DONE])."""
-    # X-Accel-Buffering: proxies such as nginx would otherwise hold tokens back.
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(_sse(events), media_type="text/event-stream", headers=headers)
-
-
-async def _sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
-    async with contextlib.aclosing(events):
-        async for event in events:
-            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+def _named_event(event: dict[str, Any]) -> str:
+    """A server-sent event named by its type (the Responses API sends no [DONE])."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 class ResponseBuilder:
@@ -148,6 +136,7 @@ class ResponseBuilder:
         self.tool_format = tool_format
         self.store = store
         self.created_at = p.now()
+        self._sequence = itertools.count()  # the streamed events' sequence numbers
 
     def _parser(self) -> ToolCallSplitter | None:
         return self.tool_format.parser(self.chat.tool_names) if self.chat.calls_tools else None
@@ -171,28 +160,23 @@ class ResponseBuilder:
         output += [_function_call(call) for call in calls]
         return self._finish(output, status, usage)
 
-    async def events(self, generation: Generation) -> AsyncGenerator[dict[str, Any], None]:
-        """The stream of events; a failure after it began is its last, an "error" event."""
-        sequence = itertools.count()
+    def event_format(self) -> EventFormat[dict[str, Any]]:
+        """How the stream is written: named events, and a failure once it began as its last, an
+        "error" event numbered in sequence with the rest."""
 
-        def event(type: str, **fields: Any) -> dict[str, Any]:
-            dumped = {
-                k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in fields.items()
-            }
-            return {"type": type, "sequence_number": next(sequence), **dumped}
-
-        try:
-            async with contextlib.aclosing(self._events(generation, event)) as events:
-                async for item in events:
-                    yield item
-        except ClientDisconnected:
-            return  # nobody is left to read the rest
-        except Exception as exc:
-            error = api_error(exc)
-            if error.status == 500:
-                logger.error("a streamed response failed", exc_info=exc)
+        def error(error: APIError) -> str:
             info = error.info
-            yield event("error", code=info.code, message=info.message, param=info.param)
+            return _named_event(self._event("error", code=info.code, message=info.message, param=info.param))
+
+        return EventFormat(_named_event, error, done="")
+
+    def events(self, generation: Generation) -> AsyncGenerator[dict[str, Any], None]:
+        """The stream of events, each numbered in sequence."""
+        return self._events(generation, self._event)
+
+    def _event(self, type: str, **fields: Any) -> dict[str, Any]:
+        dumped = {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in fields.items()}
+        return {"type": type, "sequence_number": next(self._sequence), **dumped}
 
     async def _events(
         self, generation: Generation, event: Callable[..., dict[str, Any]]

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -28,6 +29,7 @@ from yaie.server.metrics import RequestTracker, ServerMetrics
 logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
+ChunkT = TypeVar("ChunkT")
 
 
 def event(model: BaseModel) -> str:
@@ -35,28 +37,28 @@ def event(model: BaseModel) -> str:
 
 
 @dataclass(frozen=True)
-class EventFormat:
+class EventFormat(Generic[ChunkT]):
     """How an API writes its event stream: each chunk, a failure once the stream has answered
     200, and the end of the stream ("" for none)."""
 
-    chunk: Callable[[BaseModel], str]
+    chunk: Callable[[ChunkT], str]
     error: Callable[[APIError], str]
     done: str
 
 
-OPENAI_EVENTS = EventFormat(event, lambda error: event(p.ErrorResponse(error=error.info)), DONE_EVENT)
+OPENAI_EVENTS: EventFormat[BaseModel] = EventFormat(
+    event, lambda error: event(p.ErrorResponse(error=error.info)), DONE_EVENT
+)
 
 
-def event_stream(
-    chunks: AsyncGenerator[BaseModel, None], sse: EventFormat = OPENAI_EVENTS
-) -> StreamingResponse:
-    """`chunks` as a 200 response of server-sent events, ending with [DONE] (OpenAI's)."""
+def event_stream(chunks: AsyncGenerator[ChunkT, None], sse: EventFormat[ChunkT]) -> StreamingResponse:
+    """`chunks` as a 200 response of server-sent events written as `sse` says."""
     # X-Accel-Buffering: proxies such as nginx would otherwise hold tokens back.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(_events(chunks, sse), media_type="text/event-stream", headers=headers)
 
 
-async def _events(chunks: AsyncGenerator[BaseModel, None], sse: EventFormat) -> AsyncIterator[str]:
+async def _events(chunks: AsyncGenerator[ChunkT, None], sse: EventFormat[ChunkT]) -> AsyncIterator[str]:
     # The stream has already answered 200, so a failure is sent as one last error event.
     async with contextlib.aclosing(chunks):
         try:
