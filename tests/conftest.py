@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -49,3 +50,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def client(server: Server) -> openai.OpenAI:
     return server.client()
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    """Raw HTTP to the shared server, for requests no client library would send; the server must
+    still be healthy after them."""
+    with server.http() as client:
+        yield client
+    assert httpx.get(f"{server.base_url}/health").status_code == 200

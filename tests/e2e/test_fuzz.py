@@ -4,7 +4,6 @@ answer is a 2xx or a 4xx with OpenAI's error body, never a 5xx, and the server i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.e2e_helpers import MODEL, Server
+from tests.e2e.e2e_helpers import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -66,13 +65,6 @@ requests = st.one_of(
     st.tuples(st.just("/v1/chat/completions"), chat_bodies),
     st.tuples(st.just("/v1/completions"), completion_bodies),
 )
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with server.http() as client:
-        yield client
-    assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
 @settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.e2e_helpers import MODEL
-from tests.e2e.test_fuzz import floats, http, ints, junk, messages, texts
+from tests.e2e.test_fuzz import floats, ints, junk, messages, texts
 
 pytestmark = pytest.mark.slow
-__all__ = ["http"]  # the fixture, shared with test_fuzz.py
 
 options = st.fixed_dictionaries(
     # num_predict is always given and small, so that the accepted requests stay quick.

@@ -10,6 +10,8 @@ import openai
 import pytest
 
 from tests.e2e.e2e_helpers import Server
+from yaie.model.loader import bundled_model_path, load_tokenizer
+from yaie.structured.backend import GrammarCompiler
 
 SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas.json"
 
@@ -26,3 +28,14 @@ def sclient(server: Server) -> openai.OpenAI:
     """A client of the shared server (tests/conftest.py) that waits as long as a grammar takes to
     compile on a busy machine."""
     return server.client(timeout=600)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The bundled model's tokenizer, for the grammar tests."""
+    return load_tokenizer(bundled_model_path())
+
+
+@pytest.fixture(scope="session")
+def compiler(tokenizer: Any) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])

@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 import torch
 
+from tests.structured.grammar_helpers import allowed_ids
 from yaie.errors import InvalidRequestError
-from yaie.model.loader import bundled_model_path, load_tokenizer
 from yaie.sampling.processors import NEG_INF, GrammarMask, build_processors
 from yaie.sampling.sampler import Sampler
 from yaie.sampling_params import SamplingParams
@@ -45,23 +45,6 @@ ADD = {
         },
     },
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer(bundled_model_path())
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-
-
-def allowed_ids(matcher: GrammarMatcher) -> torch.Tensor:
-    bitmask = torch.zeros(1, -(-matcher.vocab_size // 32), dtype=torch.int32)
-    matcher.fill_mask(bitmask, 0)
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.view(-1)[: matcher.vocab_size].nonzero().view(-1)
 
 
 def walk(matcher: GrammarMatcher, tokenizer: Any, text: str) -> list[bool]:

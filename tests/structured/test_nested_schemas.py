@@ -15,10 +15,9 @@ from urllib.parse import unquote
 import jsonschema
 import openai
 import pytest
-import torch
 from pydantic import BaseModel, Field, create_model
 
-from yaie.model.loader import bundled_model_path, load_tokenizer
+from tests.structured.grammar_helpers import allowed_ids
 from yaie.structured import llama3_tools, tools
 from yaie.structured.backend import GrammarCompiler, GrammarMatcher
 from yaie.structured.nested_schema import Definitions
@@ -279,23 +278,6 @@ def test_client_library_schemas(style: str) -> None:
 
 
 # -- grammars -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return load_tokenizer(bundled_model_path())
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-
-
-def allowed_ids(matcher: GrammarMatcher) -> torch.Tensor:
-    bitmask = torch.zeros(1, -(-matcher.vocab_size // 32), dtype=torch.int32)
-    matcher.fill_mask(bitmask, 0)
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.view(-1)[: matcher.vocab_size].nonzero().view(-1)
 
 
 def accepts(matcher: GrammarMatcher, tokenizer: Any, text: str) -> bool:
