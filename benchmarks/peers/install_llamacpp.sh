@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's native `llama-server` and `llama-bench` for benchmarking yaie against it.
+# Build llama.cpp's native `llama-server`, `llama-bench`, `llama-quantize` and `llama-perplexity`
+# for benchmarking yaie against it and making its GGUF files at real sizes.
 #
 # The PyPI sdist of llama-cpp-python==0.3.36 vendors a complete llama.cpp tree
 # (vendor/llama.cpp), so the build needs only PyPI: download the sdist, unpack it, build with CMake.
@@ -39,8 +40,15 @@ fi
 ln -sfn "$SRC_DIR" "$LINK"
 
 cd "$SRC_DIR"
+# On a CPU with AMX the native build segfaults in ggml_backend_amx_mul_mat on the first prompt
+# (../shared/peers/README.md): build without AMX there; ggml's AVX-512 repacking stays on.
+no_amx=()
+if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
+    no_amx=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+            -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 echo "[install_llamacpp] configuring in $SRC_DIR/build"
-cmake -B build \
+cmake -B build "${no_amx[@]}" \
     -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF \
@@ -48,8 +56,8 @@ cmake -B build \
     -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DCMAKE_BUILD_TYPE=Release
-echo "[install_llamacpp] building llama-server and llama-bench with -j$JOBS"
-cmake --build build -j"$JOBS" --target llama-server llama-bench
+echo "[install_llamacpp] building llama-server, llama-bench, llama-quantize and llama-perplexity with -j$JOBS"
+cmake --build build -j"$JOBS" --target llama-server llama-bench llama-quantize llama-perplexity
 
 "$SRC_DIR/build/bin/llama-server" --version || true
 echo "[install_llamacpp] done in $(($(date +%s) - start)) s: $LINK/build/bin/llama-server"

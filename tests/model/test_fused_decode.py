@@ -13,7 +13,7 @@ import torch
 
 from tests.model.gguf_writer import Q
 from tests.model.test_quant_kernels import isa  # noqa: F401 (a fixture)
-from tests.model.test_quantized_model import llama, qwen2, vocab, write  # noqa: F401 (fixtures)
+from tests.model.test_quantized_model import llama, qwen2, vocab, write, write_raw_types  # noqa: F401 (fixtures)
 from tests.model.tiny_models import make_tiny_model
 from yaie.llm import LLM
 from yaie.model.fused_decode import FusedDecode
@@ -60,6 +60,21 @@ def test_native_decode_equals_the_python_layers(tmp_path, vocab, llama, qtype, b
     fused, python, calls = fused_and_python(llm, PROMPTS[:batch], monkeypatch)
     assert fused == python
     assert calls > 0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_k_quant_layers(tmp_path, vocab, batch, isa, monkeypatch):  # noqa: F811
+    """A Q4_K_M-like file: q, k in Q4_K above v in Q6_K (one projection of two parts), o in Q5_K,
+    a tied Q6_K table. The K-quant kernel is the same at any row count, so the native path takes
+    every batch, and each sequence decodes as it does alone."""
+    raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_K, "gate_proj": Q.Q4_K,
+                 "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # fmt: skip
+    llm = quantized_llm(write_raw_types(tmp_path / "k.gguf", vocab, raw_types, Q.Q6_K, seed=3, tied=True))
+    fused_decode = llm.engine.runner.fused_decode
+    assert fused_decode is not None and fused_decode.max_rows == sys.maxsize
+    fused, python, calls = fused_and_python(llm, PROMPTS[:batch], monkeypatch)
+    assert fused == python and calls > 0
+    assert fused == [generate(llm, [p])[0] for p in PROMPTS[:batch]]
 
 
 def test_qkv_biases_and_a_tied_head(tmp_path, vocab, qwen2, native_kernels, monkeypatch):  # noqa: F811

@@ -402,14 +402,14 @@ def test_q5_0_loads_as_gguf_dequantizes_it(tmp_path, vocab, llama):
     assert bool((error <= bound).all())
 
 
-def test_unsupported_tensor_type_q5_k(tmp_path, vocab, llama):
-    # gguf-py cannot quantize to Q5_K; the loader refuses on the type alone, so zeroed blocks do.
-    # One Q5_K block is 256 weights in 176 bytes.
-    block = np.zeros((2, 176), dtype=np.uint8)
+def test_unsupported_tensor_type_q2_k(tmp_path, vocab, llama):
+    # gguf-py cannot quantize to Q2_K; the loader refuses on the type alone, so zeroed blocks do.
+    # One Q2_K block is 256 weights in 84 bytes.
+    block = np.zeros((2, 84), dtype=np.uint8)
     path = write(
-        tmp_path, vocab, "llama", llama, Q.F32, extra_tensors={"blk.0.ffn_gate_exps.weight": (block, Q.Q5_K)}
+        tmp_path, vocab, "llama", llama, Q.F32, extra_tensors={"blk.0.ffn_gate_exps.weight": (block, Q.Q2_K)}
     )
-    with pytest.raises(UnsupportedModelError, match="Q5_K"):
+    with pytest.raises(UnsupportedModelError, match="Q2_K"):
         GGUFCheckpoint(str(path))
 
 

@@ -1,11 +1,11 @@
 """The quantized matmul kernels against PyTorch, for every weight format and every ISA path
-this CPU runs.
+this CPU runs: quant_layout's (QuantizedLinear) and the K-quants' super-blocks (KQuantLinear).
 
 Two references, both in float64 over the weights the `gguf` package dequantizes:
   * exact: the activations quantized in Python exactly as the kernel does (int8 per 32-block,
-    scale max|x| / 127, rounding half to even). The kernel differs from it only by float32
-    rounding: |y - ref| <= 1e-5 * sum_k |x_q[k] * w[k]|, the sum of the terms' magnitudes (the
-    usual bound for a float32 sum; its K / 32 block terms need ~1e-6).
+    or per 256 for the K-quants, scale max|x| / 127, rounding half to even). The kernel differs
+    from it only by float32 rounding: |y - ref| <= 1e-5 * sum_k |x_q[k] * w[k]|, the sum of the
+    terms' magnitudes (the usual bound for a float32 sum; its K / 32 block terms need ~1e-6).
   * loose: the plain activations. Quantizing moves each activation by at most half a step,
     max|x_block| / 254, so |y - ref| <= sum over blocks of max|x_block| / 254 * sum |w| in the
     block, plus the exact bound's rounding.
@@ -19,26 +19,30 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from yaie.model.gguf_blocks import unpack_gguf
-from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from yaie.model.gguf_blocks import KQUANT_GGML_TYPES, kquant_fields, unpack_gguf
+from yaie.model.linear import Linear
+from yaie.model.quantized_linear import KQuantEmbedding, KQuantLinear, QuantizedEmbedding, QuantizedLinear
 from yaie.ops import Ops, select_ops
 from yaie.ops import quant_layout as quant
+from yaie.ops.kquant_layout import SUPER, pack_kquant
 from yaie.ops.native_ops import cpu_isas
 from yaie.ops.quant_layout import pack_weight
 
 CPU = torch.device("cpu")
 
 T = GGMLQuantizationType
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
+PACKED_TYPES = [t for t in TYPES if t not in KQUANT_GGML_TYPES]  # quant_layout's, with dequantized tiles
 # The byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN).
 FP16_FIELDS = {
-    T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q5_0: (0,), T.Q3_K: (108,),
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q5_0: (0,),
+    T.Q3_K: (108,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
 }  # fmt: skip
 
 # M, N, K: odd M and N (padded row groups), every M regime of the int8 kernels (blocks of four
 # rows and the remainder; on AVX512-VNNI tiles of four row groups against 16, 8, 4, 2 and 1 rows,
-# and the groups left over); K a multiple of 256 so that the K-quants fit too.
+# and the groups left over; the K-quants' tiles of 8, 4, 2 and 1 rows); K a multiple of 256 so
+# that the K-quants fit too.
 SHAPES = [
     (1, 1, 256), (1, 37, 512), (3, 13, 256), (4, 8, 256), (7, 33, 768), (13, 64, 256), (19, 80, 512),
     (31, 40, 256),
@@ -63,9 +67,14 @@ def random_blocks(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int) ->
     return raw.reshape(n, -1)
 
 
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+def block_of(ggml_type: GGMLQuantizationType) -> int:
+    """How many values the kernel quantizes activations by, for weights of this type."""
+    return SUPER if ggml_type in KQUANT_GGML_TYPES else quant.BLOCK
+
+
+def quantized_activations(x: torch.Tensor, block: int = quant.BLOCK) -> torch.Tensor:
     """x [M, K] as the kernel quantizes it, dequantized in float64 (q * d is exact there)."""
-    blocks = x.view(x.shape[0], -1, quant.BLOCK)
+    blocks = x.view(x.shape[0], -1, block)
     scale = blocks.abs().amax(dim=-1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     q = torch.round(blocks * inverse).clamp(-127, 127)
@@ -90,8 +99,10 @@ def ops() -> Ops:
     return select_ops(CPU)
 
 
-def from_gguf(data, ggml_type, n: int, k: int, bias=None, *, ops: Ops) -> QuantizedLinear:
+def from_gguf(data, ggml_type, n: int, k: int, bias=None, *, ops: Ops) -> Linear:
     """A layer of a GGUF tensor's raw blocks, [n out, k in], as the loader makes it."""
+    if ggml_type in KQUANT_GGML_TYPES:
+        return KQuantLinear([pack_kquant(kquant_fields(data, ggml_type, n, k))], n, bias, ops=ops)
     packed = pack_weight(unpack_gguf(data, ggml_type, n, k))
     return QuantizedLinear(*packed, n, bias, T(ggml_type).name, ops=ops)
 
@@ -118,30 +129,32 @@ def test_matmul_matches_reference_on_quantized_activations(ggml_type, shape, isa
 
     y = layer(x)
 
-    xq = quantized_activations(x)
+    block = block_of(ggml_type)
+    xq = quantized_activations(x, block)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert_within(y, xq @ w.T + bias.double(), 1e-5 * (xq.abs() @ w.abs().T + bias.double().abs()))
     # Activation quantization error: half a step per value, max|x_block| / 254.
-    half_step = x.view(m, -1, quant.BLOCK).abs().amax(-1).double() / 254
-    block_w = w.abs().view(n, -1, quant.BLOCK).sum(-1)
+    half_step = x.view(m, -1, block).abs().amax(-1).double() / 254
+    block_w = w.abs().view(n, -1, block).sum(-1)
     exact = x.double() @ w.T + bias.double()
     assert_within(y, exact, half_step @ block_w.T + 1e-5 * (x.double().abs() @ w.abs().T + bias.abs()))
 
 
-def test_activations_on_rounding_ties_round_as_the_reference_does(isa):
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_activations_on_rounding_ties_round_as_the_reference_does(ggml_type, isa):
     """Every value but each block's max sits on a tie, (k + 1/2) * scale, where an ulp in
     1 / scale decides which way it rounds (-ffast-math once made the AVX2 path's 127 / amax)."""
-    m, k = 16, 1024
+    m, k, block = 16, 1024, block_of(ggml_type)
     gen = torch.Generator().manual_seed(0)
-    amax = torch.rand(m, k // quant.BLOCK, 1, generator=gen) * 4 + 0.1
-    steps = torch.randint(-127, 126, (m, k // quant.BLOCK, quant.BLOCK), generator=gen)
+    amax = torch.rand(m, k // block, 1, generator=gen) * 4 + 0.1
+    steps = torch.randint(-127, 126, (m, k // block, block), generator=gen)
     x = (steps + 0.5) * (amax * torch.tensor(1 / 127, dtype=torch.float32))
     x[..., :1] = amax
     x = x.view(m, k)
-    raw = random_blocks(T.Q8_0, 4, k, seed=1)
-    layer = from_gguf(raw, T.Q8_0, 4, k, ops=ops())
-    w = torch.from_numpy(dequantize(raw, T.Q8_0)).double()
-    xq = quantized_activations(x)
+    raw = random_blocks(ggml_type, 4, k, seed=1)
+    layer = from_gguf(raw, ggml_type, 4, k, ops=ops())
+    w = torch.from_numpy(dequantize(raw, ggml_type)).double()
+    xq = quantized_activations(x, block)
     assert_within(layer(x), xq @ w.T, 1e-5 * (xq.abs() @ w.abs().T))
 
 
@@ -153,7 +166,7 @@ def test_no_rows_give_no_rows(ggml_type, isa):
     assert layer(torch.empty(0, 256)).shape == (0, 8)
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", PACKED_TYPES, ids=lambda t: t.name)
 def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels, monkeypatch):
     """From DEQUANTIZED_FROM_ROWS rows on, the activations are not quantized: fp32 rounding only.
     N spans two tiles and a padded group. (The ISA path in use may never take the tiles: here it
@@ -169,6 +182,50 @@ def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels,
 
     assert y.shape == (1, m, n)
     assert_within(y[0], x.double() @ w.T, 1e-5 * (x.double().abs() @ w.abs().T))
+
+
+@pytest.mark.parametrize("ggml_type", KQUANT_GGML_TYPES, ids=lambda t: t.name)
+def test_kquant_rows_are_batch_invariant(ggml_type, isa):
+    """A K-quant layer takes its integer kernel at any row count, tiling rows by 8, 4, 2 and 1:
+    each row's output is bit for bit what it is alone, whatever rows share its call."""
+    n, k = 45, 768
+    raw = random_blocks(ggml_type, n, k, seed=12)
+    layer = from_gguf(raw, ggml_type, n, k, bias=torch.randn(n), ops=ops())
+    x = random_activations(23, k, seed=13)
+    together = layer(x)
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(23)]), together)
+    assert torch.equal(layer(x[5:16]), together[5:16])
+
+
+@pytest.mark.parametrize("isa_path", ["scalar", "native"])
+def test_kquant_parts_of_different_types_share_one_activation(isa_path, native_kernels, monkeypatch):
+    """A fused projection stacked from parts of different types (q, k in Q4_K above v in Q6_K,
+    a Q5_K part ending in a padded record) is the parts' rows in order, plus the bias."""
+    if isa_path == "scalar":
+        monkeypatch.setenv("YAIE_QUANT_ISA", "scalar")
+    types = [(T.Q4_K, 48), (T.Q6_K, 32), (T.Q5_K, 21)]
+    k = 512
+    raws = [random_blocks(t, n, k, seed=20 + i) for i, (t, n) in enumerate(types)]
+    parts = [pack_kquant(kquant_fields(raw, t, n, k)) for raw, (t, n) in zip(raws, types, strict=True)]
+    bias = torch.randn(101)
+    layer = KQuantLinear(parts, 101, bias, ops=ops())
+    assert layer.weight_type == "Q4_K+Q6_K+Q5_K"
+    w = torch.cat([torch.from_numpy(dequantize(r, t)) for r, (t, _) in zip(raws, types, strict=True)])
+    w = w.double()
+    assert torch.equal(layer.dequantize().double(), w)
+    x = random_activations(6, k, seed=21)
+    xq = quantized_activations(x, SUPER)
+    assert_within(layer(x), xq @ w.T + bias.double(), 1e-5 * (xq.abs() @ w.abs().T + bias.double().abs()))
+
+
+@pytest.mark.parametrize("out_features", [33, 16])
+def test_kquant_out_features_must_match_the_parts_rows(out_features, native_kernels):
+    """Two parts of 16 rows hold 17 to 32 outputs (the last part's padding rows dropped)."""
+    k = 256
+    parts = [pack_kquant(kquant_fields(random_blocks(T.Q4_K, 16, k, seed=n), T.Q4_K, 16, k)) for n in (1, 2)]
+    assert KQuantLinear(parts, 32, ops=ops())(torch.randn(1, k)).shape == (1, 32)
+    with pytest.raises(RuntimeError, match="out_features does not match the parts' rows"):
+        KQuantLinear(parts, out_features, ops=ops())(torch.randn(1, k))
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -196,7 +253,12 @@ def test_embedding_rows_are_the_dequantized_weight_rows(ggml_type, path, request
     request.getfixturevalue(path)
     raw = random_blocks(ggml_type, 11, 512, seed=8)
     layer = from_gguf(raw, ggml_type, 11, 512, ops=ops())
-    table = QuantizedEmbedding.from_linear(layer, torch.float32)
+    table: torch.nn.Module
+    if isinstance(layer, KQuantLinear):
+        table = KQuantEmbedding(layer.parts[0], torch.float32, ops=ops())
+    else:
+        assert isinstance(layer, QuantizedLinear)
+        table = QuantizedEmbedding.from_linear(layer, torch.float32)
     ids = torch.tensor([10, 0, 3, 3, 7, 4])
 
     rows = table(ids)
@@ -206,23 +268,27 @@ def test_embedding_rows_are_the_dequantized_weight_rows(ggml_type, path, request
 
 def test_embedding_refuses_ids_outside_the_table(native_kernels):
     layer = from_gguf(random_blocks(T.Q8_0, 8, 256, seed=9), T.Q8_0, 8, 256, ops=ops())
+    assert isinstance(layer, QuantizedLinear)
     with pytest.raises(RuntimeError, match="outside the table"):
         QuantizedEmbedding.from_linear(layer, torch.float32)(torch.tensor([8]))
+    table = pack_kquant(kquant_fields(random_blocks(T.Q6_K, 16, 256, seed=9), T.Q6_K, 16, 256))
+    with pytest.raises(RuntimeError, match="outside the table"):
+        KQuantEmbedding(table, torch.float32, ops=ops())(torch.tensor([16]))
 
 
 # GGUF stores these formats' scales (and Q4_1's mins, Q4_0's -8 d) as float16 values; the
 # K-quants' (and IQ4_XS's) are products of a float16 and a 6-bit or 8-bit integer, mostly not
 # float16 values.
 SCALES_IN_FLOAT16 = {
-    T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q4_K: False, T.Q6_K: False, T.Q5_0: True, T.Q3_K: False,
-    T.IQ4_NL: True, T.IQ4_XS: False,
+    T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q5_0: True, T.Q3_K: False, T.IQ4_NL: True, T.IQ4_XS: False,
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", PACKED_TYPES, ids=lambda t: t.name)
 def test_scales_are_float16_where_that_is_exact(ggml_type):
     raw = random_blocks(ggml_type, 11, 512, seed=4)
     layer = from_gguf(raw, ggml_type, 11, 512, ops=ops())
+    assert isinstance(layer, QuantizedLinear)
     expected = torch.float16 if SCALES_IN_FLOAT16[ggml_type] else torch.float32
     assert layer.scales.dtype == expected
     assert layer.mins is None or layer.mins.dtype == expected
@@ -260,9 +326,9 @@ def test_quantize_dense_weight(scheme, group_size, isa):
 
 
 def test_unsupported_type_names_itself_and_the_supported_ones():
-    supported = "Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q3_K, IQ4_NL, IQ4_XS"
-    with pytest.raises(ValueError, match=rf"Q5_K.*supported: {supported}"):
-        from_gguf(b"", T.Q5_K, 4, 256, ops=ops())
+    supported = "Q8_0, Q4_0, Q4_1, Q5_0, Q3_K, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K"
+    with pytest.raises(ValueError, match=rf"Q2_K.*supported: {supported}"):
+        from_gguf(b"", T.Q2_K, 4, 256, ops=ops())
 
 
 @pytest.mark.parametrize(("ggml_type", "k"), [(T.Q4_K, 288), (T.Q8_0, 48)])

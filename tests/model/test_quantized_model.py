@@ -6,11 +6,11 @@ Two checks per model:
     fusing q/k/v and gate/up, un-permuting llama.cpp's Q/K rows and the tied LM head all put
     the right quantized rows in the right place;
   * every layer, as the model calls it: the kernels quantize each activation row to int8 per
-    32 values; a PyTorch product of the activations quantized the same way
-    (tests/model/test_quant_kernels.py) and the dequantized weights differs only by float32
-    rounding, |y - ref| <= 1e-5 * sum_k |x_q[k] * w[k]| (the kernel tests' bound). Checked per
-    layer, not on the logits: a rounding difference can tip an activation onto the next int8
-    step downstream, which no float32 bound covers;
+    32 values (per 256 for the K-quants' super-blocks); a PyTorch product of the activations
+    quantized the same way (tests/model/test_quant_kernels.py) and the dequantized weights
+    differs only by float32 rounding, |y - ref| <= 1e-5 * sum_k |x_q[k] * w[k]| (the kernel
+    tests' bound). Checked per layer, not on the logits: a rounding difference can tip an
+    activation onto the next int8 step downstream, which no float32 bound covers;
   * logits, loose, against the dense path: quantizing moves every activation by at most half a
     step, max|x_block| / 254, relative to the block's largest value rather than to the output,
     so we allow a full step, 1/127, of relative error for each of the 4 L + 1 matmuls a token
@@ -41,8 +41,9 @@ from yaie.model.llama import CausalLM
 from yaie.model.loader import LoadedModel, load_model, load_weights
 from yaie.model.loader_gguf import GGUFCheckpoint
 from yaie.model.quantization import weight_types
-from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from yaie.model.quantized_linear import KQuantEmbedding, KQuantLinear, QuantizedEmbedding, QuantizedLinear
 from yaie.ops import TorchOps, select_ops
+from yaie.ops.kquant_layout import SUPER
 
 CPU = torch.device("cpu")
 PROMPT = "the quick brown fox jumps over the lazy dog, hello world!"
@@ -87,8 +88,8 @@ def write(tmp_path: Path, vocab, arch: str, model, qtype, **kw) -> Path:
 # Each type's float16 fields' byte offsets, and a spread of its super-block scale d that makes
 # weights O(1 / sqrt(cols)) (d times the spread of its sub-scales and values).
 K_BLOCK_SCALES = {
-    Q.Q4_K: ((0, 2), 2e-4), Q.Q6_K: ((208,), 4e-4), Q.Q3_K: ((108,), 1.5e-3), Q.IQ4_NL: ((0,), 1e-3),
-    Q.IQ4_XS: ((0,), 5e-5),
+    Q.Q4_K: ((0, 2), 2e-4), Q.Q5_K: ((0, 2), 1e-4), Q.Q6_K: ((208,), 4e-4), Q.Q3_K: ((108,), 1.5e-3),
+    Q.IQ4_NL: ((0,), 1e-3), Q.IQ4_XS: ((0,), 5e-5),
 }  # fmt: skip
 
 
@@ -104,16 +105,20 @@ def random_k_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np
     return raw.reshape(rows, -1)
 
 
-def write_raw_types(path: Path, vocab, raw_types: dict[str, Q], head: Q, seed: int) -> Path:
-    """A llama whose projections named in `raw_types` (q_proj, up_proj, ...) and LM head are
-    random raw blocks of those types; every other weight Q8_0."""
-    cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
+def write_raw_types(path: Path, vocab, raw_types: dict[str, Q], head: Q, seed: int, tied: bool = False
+                    ) -> Path:
+    """A llama whose projections named in `raw_types` (q_proj, up_proj, ...) and LM head (the
+    embedding table, where `tied`) are random raw blocks of those types; every other weight Q8_0."""
+    cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=tied)
     model = randomize(LlamaForCausalLM(cfg), seed=seed)
     gen = np.random.default_rng(seed)
     state, extra = {}, {}
+    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     for name, tensor in model.state_dict().items():
         kind = name.split(".")[-2]
-        if kind in raw_types or name == "lm_head.weight":
+        if tied and name == "lm_head.weight":
+            continue
+        if kind in raw_types or name == head_name:
             qtype = raw_types.get(kind, head)
             raw = random_k_blocks(qtype, tensor.shape[0], tensor.shape[1], gen)
             extra[gguf_tensor_name("llama", NUM_LAYERS, name)] = (raw, qtype)
@@ -156,7 +161,7 @@ def assert_dequantizes_to_dense(quantized: CausalLM, dense: CausalLM, types: dic
         assert layer.weight_type == weight_type, name
         # A ConcatLinear (a fused projection whose parts keep different layouts) holds its rows part by part.
         parts = layer.parts if isinstance(layer, ConcatLinear) else [layer]
-        assert all(isinstance(p, QuantizedLinear) for p in parts), name
+        assert all(isinstance(p, (QuantizedLinear, KQuantLinear)) for p in parts), name
         weight = torch.cat([p.dequantize() for p in parts])
         expected = dense.get_submodule(name).weight
         torch.testing.assert_close(weight, expected, rtol=1e-6, atol=1e-7, msg=name)
@@ -167,7 +172,7 @@ def assert_dequantizes_to_dense(quantized: CausalLM, dense: CausalLM, types: dic
             bias = torch.cat([p.bias for p in parts])
             torch.testing.assert_close(bias, dense_bias, rtol=0, atol=0, msg=name)
     # The file's embedding table stays quantized too; looking up every token gives the dense table.
-    assert isinstance(quantized.embed_tokens, QuantizedEmbedding)
+    assert isinstance(quantized.embed_tokens, (QuantizedEmbedding, KQuantEmbedding))
     every_token = torch.arange(dense.config.vocab_size)
     torch.testing.assert_close(quantized.embed_tokens(every_token), dense.embed_tokens.weight, rtol=1e-6,
                                atol=1e-7)  # fmt: skip
@@ -180,13 +185,14 @@ def assert_logits_within_bound(ours: torch.Tensor, dense: torch.Tensor, relative
     torch.testing.assert_close(ours, dense, atol=bound, rtol=0)
 
 
-def checked_forward(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+def checked_forward(self: QuantizedLinear | KQuantLinear, x: torch.Tensor) -> torch.Tensor:
     """The kernels' product, checked against PyTorch over the activations quantized as they do."""
-    y = QUANTIZED_FORWARD(self, x)
+    kquant = isinstance(self, KQuantLinear)
+    y = (KQUANT_FORWARD if kquant else QUANTIZED_FORWARD)(self, x)
     rows, w = x.reshape(-1, self.in_features).float(), self.dequantize().double()
-    if self.in_order is not None:  # the kernels take the features, and quantize them, in this order
+    if not kquant and self.in_order is not None:  # the kernels take (and quantize) the features in this order
         rows, w = rows[:, self.in_order], w[:, self.in_order]
-    xq = quantized_activations(rows)
+    xq = quantized_activations(rows, SUPER if kquant else 32)
     bias = 0 if self.bias is None else self.bias.double()
     reference, magnitude = xq @ w.T + bias, xq.abs() @ w.abs().T
     error = (y.reshape(reference.shape).double() - reference).abs()
@@ -196,6 +202,7 @@ def checked_forward(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 QUANTIZED_FORWARD = QuantizedLinear.forward
+KQUANT_FORWARD = KQuantLinear.forward
 CHECKED: list[str] = []
 
 
@@ -204,9 +211,10 @@ def checked_logits(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> torc
     CHECKED.clear()
     with monkeypatch.context() as patch:
         patch.setattr(QuantizedLinear, "forward", checked_forward)
+        patch.setattr(KQuantLinear, "forward", checked_forward)
         # A prompt shorter than any path's DEQUANTIZED_FROM_ROWS (64 at least): int8 kernels run.
         result = logits(loaded)
-    expected = sum(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    expected = sum(isinstance(m, (QuantizedLinear, KQuantLinear)) for m in loaded.model.modules())
     assert len(CHECKED) == expected > 0
     return result
 
@@ -242,26 +250,47 @@ def test_qwen2_tied_head_is_the_quantized_embedding(
 
 
 def test_k_quants_and_mixed_shards(tmp_path, vocab, native_kernels, monkeypatch):
-    """Q4_K and Q6_K weights (written as raw blocks), and fused shards of different types:
-    gate Q8_0 with up Q6_K share one 8-bit layer (a scale per 16); q, k in Q4_K beside v in
-    Q6_K cannot share one (4-bit with mins, 8-bit without), so qkv is a Q4_K layer for q and k
-    and a Q6_K one for v, their outputs concatenated: never dequantized to float32."""
-    raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "up_proj": Q.Q6_K,
+    """K-quant weights (written as raw blocks) keep their super-blocks, fused shards of different
+    types too: q, k in Q4_K above v in Q6_K are one KQuantLinear of two parts (one activation
+    quantization for both); gate in Q8_0 beside up in Q6_K share no layout, so gate_up is a
+    ConcatLinear of a Q8_0 layer and a Q6_K one. Never dequantized to float32."""
+    raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_K, "up_proj": Q.Q6_K,
                  "down_proj": Q.Q6_K}  # fmt: skip
     path = write_raw_types(tmp_path / "k.gguf", vocab, raw_types, Q.Q6_K, seed=13)
 
     ours = load(path, "auto")
     types = {"lm_head": "Q6_K"}
     for i in range(NUM_LAYERS):
-        types |= {f"layers.{i}.self_attn.qkv_proj": "Q4_K+Q6_K", f"layers.{i}.self_attn.o_proj": "Q4_K",
-                  f"layers.{i}.mlp.gate_up_proj": "Q6_K+Q8_0",
+        types |= {f"layers.{i}.self_attn.qkv_proj": "Q4_K+Q6_K", f"layers.{i}.self_attn.o_proj": "Q5_K",
+                  f"layers.{i}.mlp.gate_up_proj": "Q8_0+Q6_K",
                   f"layers.{i}.mlp.down_proj": "Q6_K"}  # fmt: skip
         qkv = ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj")
-        assert isinstance(qkv, ConcatLinear)
-        assert [(p.weight_type, p.out_features) for p in qkv.parts] == [("Q4_K", 256 + 128), ("Q6_K", 128)]
-    assert ours.quantization == "Q4_K, Q6_K, Q6_K+Q8_0"
+        assert isinstance(qkv, KQuantLinear)
+        assert [tuple(p.shape) for p in qkv.parts] == [((256 + 128) // 16, 1, 2368), (128 // 16, 1, 3392)]
+    assert ours.quantization == "Q4_K+Q6_K, Q5_K, Q6_K, Q8_0"
     # The startup line's count: each part a layer in its own type, none float32.
-    assert weight_types(ours.model) == {"Q4_K": 4, "Q6_K": 5, "Q6_K+Q8_0": 2}
+    assert weight_types(ours.model) == {"Q4_K+Q6_K": 2, "Q5_K": 2, "Q8_0": 2, "Q6_K": 5}
+    assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+@pytest.mark.parametrize("head", [Q.Q6_K, Q.Q4_K], ids=lambda q: q.name)
+def test_k_quant_tied_table_is_held_once(tmp_path, vocab, head, native_kernels, monkeypatch):
+    """Llama-3.2's files: a tied table in a K-quant (llama.cpp's Q4_K_M makes it Q6_K) is the LM
+    head's one packed part, which the embedding looks its rows up in."""
+    raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "gate_proj": Q.Q4_K,
+                 "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # fmt: skip
+    path = write_raw_types(tmp_path / "tied.gguf", vocab, raw_types, head, seed=14, tied=True)
+
+    ours = load(path, "auto")
+    head_layer, table = ours.model.lm_head, ours.model.embed_tokens
+    assert isinstance(head_layer, KQuantLinear) and isinstance(table, KQuantEmbedding)
+    assert table.table.data_ptr() == head_layer.parts[0].data_ptr()
+    types = {"lm_head": head.name}
+    for i in range(NUM_LAYERS):
+        types |= {f"layers.{i}.self_attn.qkv_proj": "Q4_K+Q6_K", f"layers.{i}.self_attn.o_proj": "Q4_K",
+                  f"layers.{i}.mlp.gate_up_proj": "Q4_K", f"layers.{i}.mlp.down_proj": "Q6_K"}  # fmt: skip
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))
@@ -303,9 +332,9 @@ def test_int8_mapped_types_run_as_stored(tmp_path, vocab, qtype, native_kernels,
 
 
 def test_int8_mapped_shards_of_different_types_share_one_layer(tmp_path, vocab, native_kernels, monkeypatch):
-    """q Q3_K, k IQ4_XS, v Q6_K stack into one 8-bit layer scaled per 16; gate IQ4_NL beside up
+    """q Q3_K, k IQ4_XS, v IQ4_NL stack into one 8-bit layer scaled per 16; gate IQ4_NL beside up
     Q8_0 into one scaled per 32; down Q5_0 (gguf-py quantizes it)."""
-    raw_types = {"q_proj": Q.Q3_K, "k_proj": Q.IQ4_XS, "v_proj": Q.Q6_K, "o_proj": Q.IQ4_XS,
+    raw_types = {"q_proj": Q.Q3_K, "k_proj": Q.IQ4_XS, "v_proj": Q.IQ4_NL, "o_proj": Q.IQ4_XS,
                  "gate_proj": Q.IQ4_NL}  # fmt: skip
     cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
     model = randomize(LlamaForCausalLM(cfg), seed=15)
@@ -326,10 +355,10 @@ def test_int8_mapped_shards_of_different_types_share_one_layer(tmp_path, vocab, 
     ours = load(path, "auto")
     types = {"lm_head": "Q8_0"}
     for i in range(NUM_LAYERS):
-        types |= {f"layers.{i}.self_attn.qkv_proj": "IQ4_XS+Q3_K+Q6_K",
+        types |= {f"layers.{i}.self_attn.qkv_proj": "IQ4_NL+IQ4_XS+Q3_K",
                   f"layers.{i}.self_attn.o_proj": "IQ4_XS", f"layers.{i}.mlp.gate_up_proj": "IQ4_NL+Q8_0",
                   f"layers.{i}.mlp.down_proj": "Q5_0"}  # fmt: skip
-    assert ours.quantization == "IQ4_NL+Q8_0, IQ4_XS, IQ4_XS+Q3_K+Q6_K, Q5_0, Q8_0"
+    assert ours.quantization == "IQ4_NL+IQ4_XS+Q3_K, IQ4_NL+Q8_0, IQ4_XS, Q5_0, Q8_0"
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))

@@ -10,11 +10,12 @@ cost more in converting its twenty arguments than most of its kernels took.
 
 Whether a model has this path is decided once, when the runner binds its KV cache
 (`FusedDecode.for_model`): with the native op backend, every layer without q/k norms and its four
-projections all QuantizedLinear (float32 activations, input features in their own order) or all
-oneDNN-packed DenseLinear. The runner then takes it for every step it `fits`: every token a
-sequence's next one (no prompt or chunk, no speculative verification), and, with quantized
-weights, fewer rows than the backend's quantized matmul switches to dequantized tiles at (the
-native op always takes the int8 kernel, as the layers' forward does below that).
+projections all quantized (QuantizedLinear or KQuantLinear; float32 activations, input features
+in their own order) or all oneDNN-packed DenseLinear. The runner then takes it for every step it
+`fits`: every token a sequence's next one (no prompt or chunk, no speculative verification),
+and, with quantized weights in quant_layout's formats, fewer rows than the backend's quantized
+matmul switches to dequantized tiles at (the native op always takes the int8 kernel, as the
+layers' forward does below that; K-quant layers take their integer kernel at any row count).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from yaie.model.attention import AttentionMetadata
 from yaie.model.linear import DenseLinear, Linear
-from yaie.model.quantized_linear import QuantizedLinear
+from yaie.model.quantized_linear import KQuantLinear, QuantizedLinear
 from yaie.ops import NativeOps
 from yaie.ops.quant_layout import DEQUANTIZED_FROM_ROWS
 
@@ -41,7 +42,10 @@ def _projections(layer: DecoderLayer) -> tuple[Linear, ...]:
 
 def _projection(layer: Linear) -> list[torch.Tensor | None]:
     """As the native op takes a projection: [qweight, scales, mins or None, bias or None] for a
-    quantized one, [packed weight, bias or None] for a dense one."""
+    QuantizedLinear, [None, bias or None, part, ...] for a KQuantLinear, [packed weight, bias or
+    None] for a dense one."""
+    if isinstance(layer, KQuantLinear):
+        return [None, layer.bias, *layer.parts]
     if isinstance(layer, QuantizedLinear):
         return [layer.qweight, layer.scales, layer.mins, layer.bias]
     assert isinstance(layer, DenseLinear)
@@ -50,22 +54,22 @@ def _projection(layer: Linear) -> list[torch.Tensor | None]:
 
 def _max_rows(layers: list[DecoderLayer], ops: NativeOps) -> int:
     """The most rows a step may have to take the native path, or 0 where a layer is not covered."""
-    quantized = False
+    tiles = False  # whether a layer's matmul switches to dequantized tiles at some row count
     for layer in layers:
         norm, projections = layer.input_layernorm, _projections(layer)
         if layer.self_attn.q_norm is not None or norm.eps != layer.post_attention_layernorm.eps:
             return 0
-        if all(isinstance(p, QuantizedLinear) for p in projections):
+        if all(isinstance(p, (QuantizedLinear, KQuantLinear)) for p in projections):
             # The quantized kernels take float32 activations, in the weight's own input order
             # (GPTQ's act-order permutes it, which only the layer's forward applies).
             if norm.weight.dtype != torch.float32 or any(
                 isinstance(p, QuantizedLinear) and p.in_order is not None for p in projections
             ):
                 return 0
-            quantized = True
+            tiles = tiles or any(isinstance(p, QuantizedLinear) for p in projections)
         elif not all(isinstance(p, DenseLinear) and p.packed is not None for p in projections):
             return 0
-    return DEQUANTIZED_FROM_ROWS[ops.quant_isa] - 1 if quantized else sys.maxsize
+    return DEQUANTIZED_FROM_ROWS[ops.quant_isa] - 1 if tiles else sys.maxsize
 
 
 class FusedDecode:

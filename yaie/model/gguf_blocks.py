@@ -1,12 +1,14 @@
-"""GGUF's quantized block formats unpacked into values and scales in row order
-(quant_layout.Unpacked), ready to be packed for the kernels.
+"""GGUF's quantized block formats decoded into what the kernels' layouts are packed from.
 
-Each type maps exactly onto one of the kernels' two layouts: 4-bit values with a scale and a min
-per 32 (Q4_0, Q4_1, Q4_K), or int8 values with a scale per 32 (Q8_0; Q5_0's q - 16; IQ4_NL's and
-IQ4_XS's table values) or per 16 (Q6_K; Q3_K's signed 3-bit values). "Exactly": every weight
-dequantizes to the float32 the `gguf` package computes, the same product of the same two
-factors. The 5-bit types thus take 8 bits a value in memory, the IQ4 types too (their table
-values are not evenly spaced, so no 4-bit scale and min reproduces them).
+The K-quants Q4_K, Q5_K and Q6_K come out as their super-blocks' fields (kquant_layout.KQuantFields),
+which keep the file's bits a value (yaie/ops/kquant_layout.py). Every other type is unpacked into
+values and scales in row order (quant_layout.Unpacked) and maps exactly onto one of
+quant_layout's two layouts: 4-bit values with a scale and a min per 32 (Q4_0, Q4_1), or int8
+values with a scale per 32 (Q8_0; Q5_0's q - 16; IQ4_NL's and IQ4_XS's table values) or per 16
+(Q3_K's signed 3-bit values). "Exactly": every weight dequantizes to the float32 the `gguf`
+package computes, the same product of the same two factors. Q5_0, Q3_K and the IQ4 types thus
+take 8 bits a value in memory (the IQ4 types' table values are not evenly spaced, so no 4-bit
+scale and min reproduces them).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from yaie.ops.kquant_layout import KQuantFields
 from yaie.ops.quant_layout import BLOCK, Unpacked
 
 
@@ -42,32 +45,6 @@ def _unpack_q4_0(blocks: np.ndarray) -> Unpacked:
 def _unpack_q4_1(blocks: np.ndarray) -> Unpacked:
     d, m = _fp16(blocks, 0), _fp16(blocks, 2)
     return Unpacked(_nibbles(blocks[..., 4:]), d[..., 0], m[..., 0], BLOCK)
-
-
-def _unpack_q4_k(blocks: np.ndarray) -> Unpacked:
-    """256-value super-blocks: d, dmin, eight 6-bit (scale, min) pairs packed in 12 bytes, then
-    four 32-byte chunks, each holding 64 values: 32 in the low nibbles, the next 32 in the high."""
-    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
-    packed = blocks[..., 4:16]
-    lo, hi, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([lo & 0x3F, (extra & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([hi & 0x3F, (extra >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)
-    values = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], 256)
-    return Unpacked(values, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)), BLOCK)
-
-
-def _unpack_q6_k(blocks: np.ndarray) -> Unpacked:
-    """256-value super-blocks: 4 low bits of each value (128 bytes), 2 high bits (64 bytes),
-    sixteen int8 scales (one per 16 values), d. Values are q - 32."""
-    lead = blocks.shape[:-1]
-    ql = blocks[..., 0:128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
-    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-    low = (ql & 0x0F).reshape(*lead, 8, 32)
-    high = (qh & 0x03).reshape(*lead, 8, 32)
-    values = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
-    scales = _fp16(blocks, 208) * blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    return Unpacked(values, scales, None, 16)
 
 
 def _high_bits(bits: np.ndarray, count: int) -> np.ndarray:
@@ -131,23 +108,65 @@ _UNPACKERS = {
     GGMLQuantizationType.Q8_0: _unpack_q8_0,
     GGMLQuantizationType.Q4_0: _unpack_q4_0,
     GGMLQuantizationType.Q4_1: _unpack_q4_1,
-    GGMLQuantizationType.Q4_K: _unpack_q4_k,
-    GGMLQuantizationType.Q6_K: _unpack_q6_k,
     GGMLQuantizationType.Q5_0: _unpack_q5_0,
     GGMLQuantizationType.Q3_K: _unpack_q3_k,
     GGMLQuantizationType.IQ4_NL: _unpack_iq4_nl,
     GGMLQuantizationType.IQ4_XS: _unpack_iq4_xs,
 }
-SUPPORTED_GGML_TYPES = tuple(_UNPACKERS)
 
 
-def unpack_gguf(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int, out_features: int,
-                in_features: int) -> Unpacked:
-    """A GGUF tensor's raw blocks (as GGUFReader's `tensor.data` or bytes) -> values and scales."""
-    ggml_type = GGMLQuantizationType(ggml_type)
-    if ggml_type not in _UNPACKERS:
-        names = ", ".join(t.name for t in SUPPORTED_GGML_TYPES)
-        raise ValueError(f"quantized weights of type {ggml_type.name} are not supported (supported: {names})")
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's eight 6-bit (scale, min) pairs, packed in 12 bytes -> uint8 [..., 8] each."""
+    lo, hi, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([lo & 0x3F, (extra & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (extra >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _q4_k_fields(blocks: np.ndarray) -> KQuantFields:
+    """256-value super-blocks: d, dmin, eight 6-bit (scale, min) pairs packed in 12 bytes, then
+    four 32-byte chunks, each holding 64 values: 32 in the low nibbles, the next 32 in the high."""
+    sc, mn = _k_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    values = ((qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F).reshape(*blocks.shape[:-1], 256)
+    return KQuantFields("Q4_K", values, sc, mn, _fp16(blocks, 0)[..., 0], _fp16(blocks, 2)[..., 0])
+
+
+def _q5_k_fields(blocks: np.ndarray) -> KQuantFields:
+    """As Q4_K, with 32 bytes of fifth bits between the scales and the low nibbles: value
+    32 r + j takes bit r of byte j."""
+    sc, mn = _k_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., 48:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    low = ((qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F).reshape(*blocks.shape[:-1], 8, 32)
+    values = (low | (_high_bits(blocks[..., 16:48], 8) << 4)).reshape(*blocks.shape[:-1], 256)
+    return KQuantFields("Q5_K", values, sc, mn, _fp16(blocks, 0)[..., 0], _fp16(blocks, 2)[..., 0])
+
+
+def _q6_k_fields(blocks: np.ndarray) -> KQuantFields:
+    """256-value super-blocks: 4 low bits of each value (128 bytes), 2 high bits (64 bytes),
+    sixteen int8 scales (one per 16 values), d. Values are q - 32, q in 0..63."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    low = (ql & 0x0F).reshape(*lead, 8, 32)
+    high = (qh & 0x03).reshape(*lead, 8, 32)
+    values = (low | (high << 4)).reshape(*lead, 256)
+    scales = blocks[..., 192:208].copy().view(np.int8)
+    return KQuantFields("Q6_K", values, scales, None, _fp16(blocks, 208)[..., 0], None)
+
+
+_KQUANT_FIELDS = {
+    GGMLQuantizationType.Q4_K: _q4_k_fields,
+    GGMLQuantizationType.Q5_K: _q5_k_fields,
+    GGMLQuantizationType.Q6_K: _q6_k_fields,
+}
+SUPPORTED_GGML_TYPES = tuple(_UNPACKERS) + tuple(_KQUANT_FIELDS)
+KQUANT_GGML_TYPES = tuple(_KQUANT_FIELDS)
+
+
+def _blocks(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType, out_features: int,
+            in_features: int) -> np.ndarray:
+    """A tensor's raw bytes as [out_features, blocks per row, bytes per block], checked."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     if in_features % block_size:
         raise ValueError(
@@ -158,6 +177,25 @@ def unpack_gguf(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int,
     if raw.size != expected:
         shape = f"[{out_features}, {in_features}]"
         raise ValueError(f"{ggml_type.name} {shape} takes {expected} bytes, got {raw.size}")
-    u = _UNPACKERS[ggml_type](raw.reshape(out_features, in_features // block_size, type_size))
+    return raw.reshape(out_features, in_features // block_size, type_size)
+
+
+def kquant_fields(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int, out_features: int,
+                  in_features: int) -> KQuantFields:
+    """A K-quant tensor's raw blocks -> its fields in row order, for yaie/ops/kquant_layout.py."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    return _KQUANT_FIELDS[ggml_type](_blocks(data, ggml_type, out_features, in_features))
+
+
+def unpack_gguf(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int, out_features: int,
+                in_features: int) -> Unpacked:
+    """A GGUF tensor's raw blocks (as GGUFReader's `tensor.data` or bytes) -> values and scales."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in _UNPACKERS:
+        if ggml_type in _KQUANT_FIELDS:
+            raise ValueError(f"{ggml_type.name} keeps its super-blocks: read it with kquant_fields")
+        names = ", ".join(t.name for t in SUPPORTED_GGML_TYPES)
+        raise ValueError(f"quantized weights of type {ggml_type.name} are not supported (supported: {names})")
+    u = _UNPACKERS[ggml_type](_blocks(data, ggml_type, out_features, in_features))
     mins = None if u.mins is None else u.mins.reshape(out_features, -1)
     return Unpacked(u.values.reshape(out_features, -1), u.scales.reshape(out_features, -1), mins, u.block)

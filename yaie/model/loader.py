@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from yaie.errors import ModelLoadError
 from yaie.model.config import ModelConfig
+from yaie.model.gguf_blocks import KQUANT_GGML_TYPES
 from yaie.model.int4_checkpoints import Int4Weight
 from yaie.model.linear import ConcatLinear, DenseLinear, Linear
 from yaie.model.llama import CausalLM
@@ -43,8 +45,9 @@ from yaie.model.quantization import (
     weight_bytes,
     weight_types,
 )
-from yaie.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from yaie.model.quantized_linear import KQuantEmbedding, KQuantLinear, QuantizedEmbedding, QuantizedLinear
 from yaie.ops import select_ops
+from yaie.ops.kquant_layout import RECORD_ROWS, KQuantFields, pack_kquant, stack_fields
 from yaie.ops.quant_layout import Unpacked, pack_weight
 
 logger = logging.getLogger(__name__)
@@ -150,8 +153,9 @@ def shard_rows(config: ModelConfig, shard: str) -> slice:
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None:
     """Copy HF-named tensors into the model's (partly fused) parameters; complain about a tensor
     with no place in the model, and about a parameter (or shard of one) left unfilled. Linear
-    weights that come quantized replace their layers with QuantizedLinear; a quantized embedding
-    table stays quantized (QuantizedEmbedding), shared with the LM head where they are tied."""
+    weights that come quantized replace their layers with quantized ones (KQuantLinear,
+    QuantizedLinear); a quantized embedding table stays quantized (KQuantEmbedding,
+    QuantizedEmbedding), shared with the LM head where they are tied."""
     config = model.config
     params = dict(model.named_parameters())
     filled: set[tuple[str, str | None]] = set()
@@ -192,27 +196,40 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Weight]]) -> None
 def _place_quantized_embedding(model: CausalLM, table: StoredQuantized, dtype: torch.dtype) -> None:
     """Look token embeddings up in the quantized table: the LM head's where the two are tied
     and the head runs quantized, else a packed copy of the table's own."""
-    if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
+    tied = model.config.tie_word_embeddings
+    embedding: nn.Module
+    if tied and isinstance(model.lm_head, KQuantLinear) and len(model.lm_head.parts) == 1:
+        embedding = KQuantEmbedding(model.lm_head.parts[0], dtype, ops=model.ops)
+    elif tied and isinstance(model.lm_head, QuantizedLinear):
         embedding = QuantizedEmbedding.from_linear(model.lm_head, dtype)
+    elif _is_kquant(table):
+        assert isinstance(table, QuantizedWeight)
+        embedding = KQuantEmbedding(pack_kquant(table.kquant_fields()), dtype, ops=model.ops)
     else:
         embedding = QuantizedEmbedding(*pack_weight(table.unpacked()), dtype, ops=model.ops)
     replace_module(model, "embed_tokens", embedding)
 
 
+def _is_kquant(weight: StoredQuantized) -> bool:
+    """A GGUF K-quant weight, which keeps its super-blocks (KQuantLinear) instead of being unpacked."""
+    return isinstance(weight, QuantizedWeight) and weight.ggml_type in KQUANT_GGML_TYPES
+
+
 def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, StoredQuantized]) -> None:
-    """Make the layer of weight `name` a QuantizedLinear of its shards' rows, stacked in order.
-    Where the shards cannot share one packed layout (a shard stored dense, 4-bit beside 8-bit
-    shards, shards that take their input features in different orders), the layer becomes a
-    ConcatLinear of runs of consecutive shards that can, each kept in its own type (and a dense
-    shard's rows dense)."""
+    """Make the layer of weight `name` one quantized layer of its shards' rows, stacked in order:
+    a KQuantLinear where they are K-quants (each shard in its own type), else a QuantizedLinear.
+    Where the shards cannot share one layer (a shard stored dense, a K-quant beside another type,
+    4-bit beside 8-bit shards, shards that take their input features in different orders), the
+    layer becomes a ConcatLinear of runs of consecutive shards that can, each kept in its own
+    type (and a dense shard's rows dense)."""
     module_name = name.removesuffix(".weight")
     linear = model.get_submodule(module_name)
     assert isinstance(linear, DenseLinear)
     order = FUSED_PROJECTIONS.get(_module_of(name), (None,))
-    unpacked = {shard: weight.unpacked() for shard, weight in shards.items()}
+    unpacked = {shard: weight.unpacked() for shard, weight in shards.items() if not _is_kquant(weight)}
     runs: list[list[str | None]] = []
     for shard in order:
-        if runs and _same_layout(shards, unpacked, runs[-1][-1], shard):
+        if runs and _same_layout(model.config, shards, unpacked, runs[-1], shard):
             runs[-1].append(shard)
         else:
             runs.append([shard])
@@ -225,15 +242,28 @@ def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Stored
     replace_module(model, module_name, ConcatLinear(parts))
 
 
-def _same_layout(shards: dict[str | None, StoredQuantized], unpacked: dict[str | None, Unpacked],
-                 a: str | None, b: str | None) -> bool:
-    """Whether shards a and b of a fused projection can share one layer: both stored dense, or
-    both quantized with mins (4-bit) or both without (8-bit), taking their input features in one
-    order."""
+def _same_layout(config: ModelConfig, shards: dict[str | None, StoredQuantized],
+                 unpacked: dict[str | None, Unpacked], run: list[str | None], b: str | None) -> bool:
+    """Whether shard b can join the run of shards before it in one layer: all stored dense; all
+    K-quants (a new type starts a new part, so the run's rows so far must fill whole records of
+    16); or all unpacked with mins (4-bit) or all without (8-bit), taking their input features
+    in one order."""
+    a = run[-1]
     if a not in shards or b not in shards:
         return a not in shards and b not in shards
+    if _is_kquant(shards[a]) or _is_kquant(shards[b]):
+        if not (_is_kquant(shards[a]) and _is_kquant(shards[b])):
+            return False
+        first = run[0]
+        assert a is not None and b is not None and first is not None  # only fused projections have runs
+        rows = shard_rows(config, a).stop - shard_rows(config, first).start
+        return _ggml_type(shards[a]) == _ggml_type(shards[b]) or rows % RECORD_ROWS == 0
     orders = [w.in_order if isinstance(w, Int4Weight) else None for w in (shards[a], shards[b])]
     return (unpacked[a].mins is None) == (unpacked[b].mins is None) and _same_order(*orders)
+
+
+def _ggml_type(weight: StoredQuantized) -> str:
+    return weight.weight_type if isinstance(weight, Int4Weight) else weight.ggml_type.name
 
 
 def _part(model: CausalLM, linear: DenseLinear, shards: dict[str | None, StoredQuantized],
@@ -253,14 +283,29 @@ def _part(model: CausalLM, linear: DenseLinear, shards: dict[str | None, StoredQ
         if bias is not None and dense.bias is not None:
             dense.bias.data = bias.clone()
         return dense
+    kernel_bias = None if bias is None else bias.float().clone()  # the kernels add it in float32
+    if _is_kquant(shards[first]):
+        # One packed part per run of shards of one type (q and k in Q4_K, then v in Q6_K).
+        by_type: list[list[StoredQuantized]] = []
+        for s in run:
+            if by_type and _ggml_type(by_type[-1][-1]) == _ggml_type(shards[s]):
+                by_type[-1].append(shards[s])
+            else:
+                by_type.append([shards[s]])
+        packed = [pack_kquant(stack_fields([_kquant_fields(w) for w in same])) for same in by_type]
+        return KQuantLinear(packed, rows.stop - rows.start, kernel_bias, ops=model.ops)
     fused = fuse([unpacked[s] for s in run])
     assert fused is not None  # _same_layout grouped the run
     stored = shards[first]
     order = stored.in_order if isinstance(stored, Int4Weight) else None
     in_order = None if order is None else torch.from_numpy(order)
-    kernel_bias = None if bias is None else bias.float().clone()  # the kernels add it in float32
     return QuantizedLinear(*pack_weight(fused), rows.stop - rows.start, kernel_bias,
                            _types({s: shards[s] for s in run}), in_order, ops=model.ops)  # fmt: skip
+
+
+def _kquant_fields(weight: StoredQuantized) -> KQuantFields:
+    assert isinstance(weight, QuantizedWeight)
+    return weight.kquant_fields()
 
 
 def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -270,7 +315,7 @@ def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 
 def _types(shards: dict[str | None, StoredQuantized]) -> str:
-    names = {w.weight_type if isinstance(w, Int4Weight) else w.ggml_type.name for w in shards.values()}
+    names = {_ggml_type(w) for w in shards.values()}
     return "+".join(sorted(names))
 
 

@@ -22,7 +22,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from yaie.errors import UnsupportedModelError
-from yaie.model.gguf_blocks import SUPPORTED_GGML_TYPES, unpack_gguf
+from yaie.model.gguf_blocks import SUPPORTED_GGML_TYPES, kquant_fields, unpack_gguf
+from yaie.ops.kquant_layout import KQuantFields
 from yaie.ops.quant_layout import Unpacked
 
 # llama.cpp writes Mistral models as "llama".
@@ -117,6 +118,19 @@ class QuantizedWeight:
         heads = self.permuted_heads
         mins = None if u.mins is None else unpermute_qk(u.mins, heads)
         return Unpacked(unpermute_qk(u.values, heads), unpermute_qk(u.scales, heads), mins, u.block)
+
+    def kquant_fields(self) -> KQuantFields:
+        """A K-quant weight's super-block fields in HF row order."""
+        f = kquant_fields(self.data, self.ggml_type, *self.shape)
+        if self.permuted_heads is None:
+            return f
+        heads = self.permuted_heads
+
+        def rows(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else unpermute_qk(a, heads)
+
+        return KQuantFields(f.type_name, unpermute_qk(f.values, heads), unpermute_qk(f.scales, heads),
+                            rows(f.mins), unpermute_qk(f.d, heads), rows(f.dmin))  # fmt: skip
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         return _dense(self.data, self.ggml_type, self.permuted_heads, dtype)

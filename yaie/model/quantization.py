@@ -22,7 +22,7 @@ from torch import nn
 
 from yaie.model.linear import ConcatLinear, DenseLinear, Linear
 from yaie.model.llama import CausalLM
-from yaie.model.quantized_linear import QuantizedLinear
+from yaie.model.quantized_linear import KQuantLinear, QuantizedLinear
 from yaie.ops.quant_layout import Unpacked
 
 GROUP_SIZE = 32  # values per scale of int8 / int4 at load: the finer of the kernels' two
@@ -74,7 +74,7 @@ def weight_types(model: nn.Module) -> Counter[str]:
 def quantized_types(model: nn.Module) -> list[str]:
     """The types of the model's quantized linear layers (a ConcatLinear's parts among them),
     sorted: ["Q4_1", "Q6_K"]; [] if none."""
-    return sorted({m.weight_type for m in model.modules() if isinstance(m, QuantizedLinear)})
+    return sorted({m.weight_type for m in model.modules() if isinstance(m, (QuantizedLinear, KQuantLinear))})
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -2,7 +2,8 @@
 types yaie/model/gguf_blocks.py decodes), AWQ / GPTQ int4 as stored, or int8 / int4 quantized
 from a dense weight at load (yaie/model/quantization.py says which runs when).
 
-Every format is packed once into one of the kernels' two layouts (yaie/ops/quant_layout.py).
+GGUF's K-quants keep their super-blocks (KQuantLinear, yaie/ops/kquant_layout.py); every other
+format is packed once into one of the kernels' two layouts (QuantizedLinear, yaie/ops/quant_layout.py).
 The matmul quantizes each activation row to int8 blocks of 32 (llama.cpp's Q8_0 / Q8_1) and takes
 integer dot products, in the op backend's ISA path; the torch backend dequantizes the weight at
 every call instead: correct, slow.
@@ -18,6 +19,7 @@ from torch import nn
 
 from yaie.model.linear import Linear
 from yaie.ops import Ops
+from yaie.ops.kquant_layout import SUPER, dequantize_kquant, kquant_type
 from yaie.ops.quant_layout import BLOCK, Unpacked, dequantize_weight, pack_weight
 
 
@@ -127,3 +129,63 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[tokens] ids -> [tokens, dim] in the model's dtype."""
         return self.ops.quantized_embedding(self.qweight, self.scales, self.mins, ids).to(self.dtype)
+
+
+class KQuantLinear(Linear):
+    """y = x @ W^T (+ bias) with W in GGUF's K-quant types, kept in their super-blocks
+    (yaie/ops/kquant_layout.py): as many bits a value as the file. W may be several parts stacked
+    by rows, each its own type (q and k in Q4_K above v in Q6_K): the activation is quantized once
+    for all of them. Every part but the last holds whole records (a multiple of 16 rows)."""
+
+    bias: torch.Tensor | None
+
+    def __init__(self, parts: list[torch.Tensor], out_features: int, bias: torch.Tensor | None = None,
+                 *, ops: Ops) -> None:
+        super().__init__()
+        self.in_features = parts[0].shape[1] * SUPER
+        self.out_features = out_features
+        self.ops = ops
+        self.num_parts = len(parts)
+        for i, part in enumerate(parts):
+            self.register_buffer(f"part{i}", part)
+        self.register_buffer("bias", bias)
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """The packed parts, top rows first: uint8 [groups, K / 256, record bytes] each."""
+        return [getattr(self, f"part{i}") for i in range(self.num_parts)]
+
+    @property
+    def weight_type(self) -> str:
+        """Its parts' types, "+"-joined in row order: Q4_K+Q6_K."""
+        return "+".join(kquant_type(p) for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 [out_features, in_features]."""
+        return torch.cat([dequantize_kquant(p) for p in self.parts])[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features], computed in float32, returned in x's dtype."""
+        return self.ops.kquant_linear(x, self.parts, self.bias, self.out_features)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """As QuantizedLinear's: this layer rounds its input to 8 bits first."""
+        y: torch.Tensor = self(self.ops.silu_mul(gate_up))
+        return y
+
+
+class KQuantEmbedding(nn.Module):
+    """Token embeddings looked up in a K-quant table (QuantizedEmbedding's counterpart): a tied
+    LM head's one part serves both, so the table is held once, in its stored type."""
+
+    table: torch.Tensor
+
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype, *, ops: Ops) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.ops = ops
+        self.register_buffer("table", table)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[tokens] ids -> [tokens, dim] in the model's dtype."""
+        return self.ops.kquant_embedding(self.table, ids).to(self.dtype)

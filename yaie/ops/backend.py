@@ -87,3 +87,14 @@ class Ops(ABC):
         self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, ids: torch.Tensor
     ) -> torch.Tensor:
         """Rows `ids` [tokens] of a packed table, dequantized: float32 [tokens, dim]."""
+
+    @abstractmethod
+    def kquant_linear(
+        self, x: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """x [..., in] @ W^T (+ bias) -> [..., out_features] in x's dtype, computed in float32, W
+        the K-quant `parts` (yaie/ops/kquant_layout.py) stacked by rows."""
+
+    @abstractmethod
+    def kquant_embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [tokens] of a K-quant table, dequantized: float32 [tokens, dim]."""

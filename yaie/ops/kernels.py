@@ -35,6 +35,8 @@ _SOURCES = [
         "quant_matmul.cpp",
         "quant_x86.cpp",
         "quant_avx512.cpp",
+        "kquant.cpp",
+        "kquant_x86.cpp",
         "activation.cpp",
         "decode_layer.cpp",
         "argmax.cpp",
@@ -207,4 +209,25 @@ def quant_embedding(
 ) -> torch.Tensor:
     """The packed table's rows of `ids` [tokens], dequantized: float32 [tokens, dim]."""
     out: torch.Tensor = torch.ops.yaie.quant_embedding(qweight, scales, mins, ids)
+    return out
+
+
+def kquant_matmul(
+    x: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor | None, out_features: int, isa: int
+) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ the K-quant parts' rows^T (+ bias) -> float32 [rows,
+    out_features]: x quantized once per 256 values (csrc/kquant.h), in the ISA path ISAS[isa]."""
+    out: torch.Tensor = torch.ops.yaie.kquant_matmul(x, parts, bias, out_features, isa)
+    return out
+
+
+def kquant_dequantize(packed: torch.Tensor, first_group: int, groups: int) -> torch.Tensor:
+    """Record groups first_group .. first_group + groups of a K-quant weight as float32 [groups * 16, in]."""
+    out: torch.Tensor = torch.ops.yaie.kquant_dequantize(packed, first_group, groups)
+    return out
+
+
+def kquant_embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The K-quant table's rows of `ids` [tokens], dequantized: float32 [tokens, dim]."""
+    out: torch.Tensor = torch.ops.yaie.kquant_embedding(table, ids)
     return out

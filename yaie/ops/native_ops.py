@@ -108,3 +108,19 @@ class NativeOps(TorchOps):
         self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, ids: torch.Tensor
     ) -> torch.Tensor:
         return kernels.quant_embedding(qweight, scales, mins, ids)
+
+    def kquant_linear(
+        self, x: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        # Always the integer kernel, at any row count: its per-row arithmetic never depends on
+        # how many rows there are, so prompts and batches get exactly a lone row's results.
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        y = kernels.kquant_matmul(rows, parts, bias, out_features, self.isa_index)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def kquant_embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.kquant_embedding(table, ids)

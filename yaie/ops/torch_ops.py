@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from yaie.ops.backend import Ops
+from yaie.ops.kquant_layout import RECORD_ROWS, dequantize_kquant
 from yaie.ops.quant_layout import GROUP_ROWS, dequantize_groups, dequantize_weight
 
 
@@ -97,3 +98,15 @@ class TorchOps(Ops):
         # few KiB) and keep its row.
         groups = dequantize_groups(qweight, scales, mins, ids // GROUP_ROWS)
         return groups[torch.arange(ids.shape[0], device=ids.device), ids % GROUP_ROWS]
+
+    def kquant_linear(
+        self, x: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        # The whole weight dequantized at every call, as quantized_linear's.
+        w = torch.cat([dequantize_kquant(p) for p in parts])[:out_features]
+        return F.linear(x.float(), w, bias).to(x.dtype)
+
+    def kquant_embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # Each token's record group (a few KiB a super-block) dequantized, and its row kept.
+        groups = torch.stack([dequantize_kquant(table[g : g + 1]) for g in (ids // RECORD_ROWS).tolist()])
+        return groups[torch.arange(ids.shape[0], device=ids.device), ids % RECORD_ROWS]

@@ -37,14 +37,24 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// A projection as the layer passes it: quantized, [qweight, scales, mins or None, bias or None]
-// (yaie/model/quantized_linear.py); dense, [oneDNN-packed weight, bias or None] (yaie/model/linear.py).
+// Whether a projection as the layer passes it (see project) holds a dense weight.
+bool is_dense(const c10::List<std::optional<at::Tensor>>& weight) {
+  return weight.size() == 2 && weight.get(0).has_value();
+}
+
+// A projection as the layer passes it (yaie/model/fused_decode.py): QuantizedLinear, [qweight,
+// scales, mins or None, bias or None]; KQuantLinear, [None, bias or None, part, ...]; dense,
+// [oneDNN-packed weight, bias or None] (yaie/model/linear.py).
 at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weight, int64_t out_features,
                    int64_t isa) {
-  TORCH_CHECK(weight.size() == 4 || weight.size() == 2,
-              "a projection is [qweight, scales, mins, bias] or [packed weight, bias]");
+  TORCH_CHECK(weight.size() >= 2, "a projection is [qweight, scales, mins, bias], [None, bias, parts...] or "
+              "[packed weight, bias]");
   const std::optional<at::Tensor> first = weight.get(0);
-  TORCH_CHECK(first.has_value(), "a projection needs its weight");
+  if (!first.has_value()) {
+    std::vector<at::Tensor> parts;
+    for (size_t p = 2; p < weight.size(); ++p) parts.push_back(*weight.get(p));
+    return yaie_kquant::matmul(x, parts, weight.get(1), out_features, isa);
+  }
   if (weight.size() == 2) {
     static const auto linear =
         find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
@@ -53,7 +63,7 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
     return linear.call(x, *first, weight.get(1), "none", c10::List<std::optional<c10::Scalar>>(), "");
   }
   const std::optional<at::Tensor> scales = weight.get(1);
-  TORCH_CHECK(scales.has_value(), "a quantized projection needs its scales");
+  TORCH_CHECK(weight.size() == 4 && scales.has_value(), "a quantized projection needs its scales");
   return yaie_quant::quant_matmul(x, *first, *scales, weight.get(2), weight.get(3), out_features, isa);
 }
 
@@ -95,8 +105,8 @@ at::Tensor decode_layer(const at::Tensor& x, at::Tensor& residual, const at::Ten
                         post_attention_norm, eps);
   const at::Tensor gate_up = project(h, gate_up_proj, 2 * intermediate_size, isa);
   // A quantized down projection takes the native silu * up (csrc/activation.cpp says why only it),
-  // as QuantizedLinear.silu_mul_forward does.
-  const at::Tensor act = down_proj.size() == 4
+  // as QuantizedLinear's and KQuantLinear's silu_mul_forward do.
+  const at::Tensor act = !is_dense(down_proj)
                              ? silu_and_mul.call(gate_up)
                              : at::silu(gate_up.narrow(1, 0, intermediate_size))
                                    .mul_(gate_up.narrow(1, intermediate_size, intermediate_size));

@@ -93,12 +93,6 @@ void quantize_row_scalar(const float* x, int64_t blocks, int8_t* q, float* d, fl
 }
 #pragma GCC pop_options
 
-}  // namespace yaie_quant
-
-namespace {
-
-using namespace yaie_quant;
-
 bool isa_supported(int64_t isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
@@ -121,6 +115,12 @@ bool isa_supported(int64_t isa) {
   return isa == kScalar;
 #endif
 }
+
+}  // namespace yaie_quant
+
+namespace {
+
+using namespace yaie_quant;
 
 struct Kernels {
   QuantizeRowFn quantize_row;
@@ -300,7 +300,7 @@ at::Tensor quant_matmul_dequantized(const at::Tensor& x, const at::Tensor& qweig
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(yaie, m) {
-  m.def("quant_isa_supported(int isa) -> bool", &isa_supported);
+  m.def("quant_isa_supported(int isa) -> bool", &yaie_quant::isa_supported);
   m.def(
       "quant_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, int isa) "
       "-> Tensor");

@@ -1,0 +1,333 @@
+// The SIMD kernels of the K-quant matmul (layout and arithmetic: kquant.h): AVX512-VNNI with a
+// weight row per 32-bit lane of a 512-bit register, and AVX2 taking a record's 16 rows as two
+// halves of eight. Each region carries its own target, so the binary holds both paths whatever
+// -march says; kquant.cpp picks one at run time.
+//
+// Per block of 32 values the record gives, after an AND (and for Q5_K / Q6_K an OR of the high
+// bits), eight registers of 16 rows' four consecutive values; each is multiplied with the four
+// activation bytes it meets, broadcast, into the rows' dot products, one per lane. The weights
+// are unpacked once per block and used for every activation row of a tile (decoding's batch or a
+// prompt's tokens), so with more rows a weight byte costs fewer instructions. The integer sums
+// of a super-block stay in int32 (kquant.h bounds them); one float multiply-add per super-block
+// and row ends it, in the same order for any number of rows.
+
+#if defined(__x86_64__) || defined(__i386__)
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kquant.h"
+
+namespace yaie_kquant {
+
+namespace {
+
+constexpr int64_t scales_offset(Type t) { return kQsBytes + (t == kQ4K ? 0 : t == kQ5K ? 512 : 1024); }
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+
+namespace {
+
+// Block j of a record as lo[c] (lanes: values 4c .. 4c+3 of the block) and hi[c] (16 + 4c ..).
+template <Type T>
+inline void unpack512(const uint8_t* rec, int64_t j, __m512i lo[4], __m512i hi[4]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(rec + (j * 4 + c) * 64);
+    lo[c] = _mm512_and_si512(v, nibble);
+    hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+  if constexpr (T == kQ5K) {
+    // Bit c of each byte to bit 4 for lo, bit 4 + c to bit 4 for hi (16-bit shifts: the masks
+    // keep each byte's own bit).
+    const __m512i h = _mm512_loadu_si512(rec + kQsBytes + j * 64), bit = _mm512_set1_epi8(0x10);
+    lo[0] = _mm512_or_si512(lo[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit));
+    lo[1] = _mm512_or_si512(lo[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit));
+    lo[2] = _mm512_or_si512(lo[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit));
+    lo[3] = _mm512_or_si512(lo[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit));
+    hi[0] = _mm512_or_si512(hi[0], _mm512_and_si512(h, bit));
+    hi[1] = _mm512_or_si512(hi[1], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit));
+    hi[2] = _mm512_or_si512(hi[2], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit));
+    hi[3] = _mm512_or_si512(hi[3], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit));
+  } else if constexpr (T == kQ6K) {
+    // Bits 2c, 2c + 1 of each byte to bits 4, 5.
+    const __m512i a = _mm512_loadu_si512(rec + kQsBytes + j * 128);
+    const __m512i b = _mm512_loadu_si512(rec + kQsBytes + j * 128 + 64), two = _mm512_set1_epi8(0x30);
+    lo[0] = _mm512_or_si512(lo[0], _mm512_and_si512(_mm512_slli_epi16(a, 4), two));
+    lo[1] = _mm512_or_si512(lo[1], _mm512_and_si512(_mm512_slli_epi16(a, 2), two));
+    lo[2] = _mm512_or_si512(lo[2], _mm512_and_si512(a, two));
+    lo[3] = _mm512_or_si512(lo[3], _mm512_and_si512(_mm512_srli_epi16(a, 2), two));
+    hi[0] = _mm512_or_si512(hi[0], _mm512_and_si512(_mm512_slli_epi16(b, 4), two));
+    hi[1] = _mm512_or_si512(hi[1], _mm512_and_si512(_mm512_slli_epi16(b, 2), two));
+    hi[2] = _mm512_or_si512(hi[2], _mm512_and_si512(b, two));
+    hi[3] = _mm512_or_si512(hi[3], _mm512_and_si512(_mm512_srli_epi16(b, 2), two));
+  }
+}
+
+inline __m512i scales16(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+inline __m512 halves16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Record group g against activation rows m .. m + M - 1.
+template <Type T, int M>
+void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, float* y, int64_t ldy) {
+  constexpr int64_t kSc = scales_offset(T);
+  const int64_t k = w.superblocks * kSuper;
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < w.superblocks; ++s) {
+    const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
+    __m512i sumi[M];
+    for (int r = 0; r < M; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < 8; ++j) {
+      __m512i lo[4], hi[4];
+      unpack512<T>(rec, j, lo, hi);
+      const __m512i sc_lo = scales16(rec + kSc + (T == kQ6K ? 32 : 16) * j, T == kQ6K);
+      const __m512i sc_hi = T == kQ6K ? scales16(rec + kSc + 32 * j + 16, true) : sc_lo;
+      for (int r = 0; r < M; ++r) {
+        const int8_t* xq = x.q + (m + r) * k + s * kSuper + 32 * j;
+        __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          a = _mm512_dpbusd_epi32(a, lo[c], _mm512_set1_epi32(load_i32(xq + 4 * c)));
+          b = _mm512_dpbusd_epi32(b, hi[c], _mm512_set1_epi32(load_i32(xq + 16 + 4 * c)));
+        }
+        if constexpr (T == kQ6K) {
+          sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(_mm512_mullo_epi32(a, sc_lo), _mm512_mullo_epi32(b, sc_hi)));
+        } else {
+          sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(_mm512_add_epi32(a, b), sc_lo));
+        }
+      }
+    }
+    const __m512 d = halves16(rec + kSc + 256);
+    for (int r = 0; r < M; ++r) {
+      const int16_t* bsum = x.bsums + ((m + r) * x.superblocks + s) * 16;
+      const __m512 dx = _mm512_set1_ps(x.d[(m + r) * x.superblocks + s]);
+      __m512i summ = _mm512_setzero_si512();
+      if constexpr (T == kQ6K) {  // the -32 offset: 32 * sum of scale * the run's sum of q
+        for (int64_t run = 0; run < 16; ++run) {
+          summ = _mm512_add_epi32(summ, _mm512_mullo_epi32(scales16(rec + kSc + 16 * run, true), _mm512_set1_epi32(bsum[run])));
+        }
+        const __m512i total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(summ, 5));
+        acc[r] = _mm512_fmadd_ps(dx, _mm512_mul_ps(d, _mm512_cvtepi32_ps(total)), acc[r]);
+      } else {
+        for (int64_t j = 0; j < 8; ++j) {
+          const __m512i pair = _mm512_set1_epi32(bsum[2 * j] + bsum[2 * j + 1]);
+          summ = _mm512_add_epi32(summ, _mm512_mullo_epi32(scales16(rec + kSc + 128 + 16 * j, false), pair));
+        }
+        const __m512 dmin = halves16(rec + kSc + 288);
+        const __m512 inner = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(summ)));
+        acc[r] = _mm512_fmadd_ps(dx, inner, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + (m + r) * ldy + g * kRows, acc[r]);
+}
+
+template <Type T>
+void groups512(const Weights& w, const Activations& x, int64_t first, int64_t last, float* y, int64_t ldy) {
+  for (int64_t g = first; g < last; ++g) {
+    int64_t m = 0;
+    for (; m + 8 <= x.rows; m += 8) group512<T, 8>(w, x, g, m, y, ldy);
+    if (m + 4 <= x.rows) {
+      group512<T, 4>(w, x, g, m, y, ldy);
+      m += 4;
+    }
+    if (m + 2 <= x.rows) {
+      group512<T, 2>(w, x, g, m, y, ldy);
+      m += 2;
+    }
+    if (m < x.rows) group512<T, 1>(w, x, g, m, y, ldy);
+  }
+}
+
+}  // namespace
+
+void matmul_avx512vnni(const Weights& w, const Activations& x, int64_t first, int64_t last, float* y,
+                       int64_t ldy) {
+  switch (w.type) {
+    case kQ4K:
+      return groups512<kQ4K>(w, x, first, last, y, ldy);
+    case kQ5K:
+      return groups512<kQ5K>(w, x, first, last, y, ldy);
+    case kQ6K:
+      return groups512<kQ6K>(w, x, first, last, y, ldy);
+  }
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace {
+
+// Half h (rows 8h .. 8h + 7) of block j, as unpack512 lays out the whole.
+template <Type T>
+inline void unpack256(const uint8_t* rec, int64_t j, int h, __m256i lo[4], __m256i hi[4]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (j * 4 + c) * 64 + 32 * h));
+    lo[c] = _mm256_and_si256(v, nibble);
+    hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  }
+  if constexpr (T == kQ5K) {
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kQsBytes + j * 64 + 32 * h));
+    const __m256i bit = _mm256_set1_epi8(0x10);
+    lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit));
+    lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit));
+    lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit));
+    lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit));
+    hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(hb, bit));
+    hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_srli_epi16(hb, 1), bit));
+    hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bit));
+    hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(hb, 3), bit));
+  } else if constexpr (T == kQ6K) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kQsBytes + j * 128 + 32 * h));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kQsBytes + j * 128 + 64 + 32 * h));
+    const __m256i two = _mm256_set1_epi8(0x30);
+    lo[0] = _mm256_or_si256(lo[0], _mm256_and_si256(_mm256_slli_epi16(a, 4), two));
+    lo[1] = _mm256_or_si256(lo[1], _mm256_and_si256(_mm256_slli_epi16(a, 2), two));
+    lo[2] = _mm256_or_si256(lo[2], _mm256_and_si256(a, two));
+    lo[3] = _mm256_or_si256(lo[3], _mm256_and_si256(_mm256_srli_epi16(a, 2), two));
+    hi[0] = _mm256_or_si256(hi[0], _mm256_and_si256(_mm256_slli_epi16(b, 4), two));
+    hi[1] = _mm256_or_si256(hi[1], _mm256_and_si256(_mm256_slli_epi16(b, 2), two));
+    hi[2] = _mm256_or_si256(hi[2], _mm256_and_si256(b, two));
+    hi[3] = _mm256_or_si256(hi[3], _mm256_and_si256(_mm256_srli_epi16(b, 2), two));
+  }
+}
+
+inline __m256i scales8(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+
+inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// maddubs' int16 pair sums are at most 2 * 15 * 127 (Q4_K), 2 * 31 * 127 (Q5_K) or 2 * 63 * 127
+// (Q6_K): eight, four or two of them add without overflow before one madd widens them.
+template <Type T>
+inline void dots256(const __m256i lo[4], const __m256i hi[4], const int8_t* xq, __m256i& a, __m256i& b) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p[8];
+  for (int c = 0; c < 4; ++c) {
+    p[c] = _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(load_i32(xq + 4 * c)));
+    p[4 + c] = _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(load_i32(xq + 16 + 4 * c)));
+  }
+  if constexpr (T == kQ4K) {
+    const __m256i all = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                         _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+    a = _mm256_madd_epi16(all, ones);
+    b = _mm256_setzero_si256();
+  } else if constexpr (T == kQ5K) {
+    a = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+    b = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])), ones);
+  } else {
+    a = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                         _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+    b = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
+                         _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
+  }
+}
+
+template <Type T, int M>
+void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, float* y, int64_t ldy) {
+  constexpr int64_t kSc = scales_offset(T);
+  const int64_t k = w.superblocks * kSuper;
+  __m256 acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < w.superblocks; ++s) {
+    const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
+    __m256i sumi[M][2];
+    for (int r = 0; r < M; ++r) sumi[r][0] = sumi[r][1] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < 8; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo[4], hi[4];
+        unpack256<T>(rec, j, h, lo, hi);
+        const __m256i sc_lo = scales8(rec + kSc + (T == kQ6K ? 32 : 16) * j + 8 * h, T == kQ6K);
+        const __m256i sc_hi = T == kQ6K ? scales8(rec + kSc + 32 * j + 16 + 8 * h, true) : sc_lo;
+        for (int r = 0; r < M; ++r) {
+          __m256i a, b;
+          dots256<T>(lo, hi, x.q + (m + r) * k + s * kSuper + 32 * j, a, b);
+          const __m256i scaled = T == kQ6K ? _mm256_add_epi32(_mm256_mullo_epi32(a, sc_lo), _mm256_mullo_epi32(b, sc_hi))
+                                           : _mm256_mullo_epi32(_mm256_add_epi32(a, b), sc_lo);
+          sumi[r][h] = _mm256_add_epi32(sumi[r][h], scaled);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = halves8(rec + kSc + 256 + 16 * h);
+      for (int r = 0; r < M; ++r) {
+        const int16_t* bsum = x.bsums + ((m + r) * x.superblocks + s) * 16;
+        const __m256 dx = _mm256_set1_ps(x.d[(m + r) * x.superblocks + s]);
+        __m256i summ = _mm256_setzero_si256();
+        if constexpr (T == kQ6K) {
+          for (int64_t run = 0; run < 16; ++run) {
+            summ = _mm256_add_epi32(summ, _mm256_mullo_epi32(scales8(rec + kSc + 16 * run + 8 * h, true), _mm256_set1_epi32(bsum[run])));
+          }
+          const __m256i total = _mm256_sub_epi32(sumi[r][h], _mm256_slli_epi32(summ, 5));
+          acc[r][h] = _mm256_fmadd_ps(dx, _mm256_mul_ps(d, _mm256_cvtepi32_ps(total)), acc[r][h]);
+        } else {
+          for (int64_t j = 0; j < 8; ++j) {
+            const __m256i pair = _mm256_set1_epi32(bsum[2 * j] + bsum[2 * j + 1]);
+            summ = _mm256_add_epi32(summ, _mm256_mullo_epi32(scales8(rec + kSc + 128 + 16 * j + 8 * h, false), pair));
+          }
+          const __m256 dmin = halves8(rec + kSc + 288 + 16 * h);
+          const __m256 inner = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(sumi[r][h]), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ)));
+          acc[r][h] = _mm256_fmadd_ps(dx, inner, acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m + r) * ldy + g * kRows + 8 * h, acc[r][h]);
+  }
+}
+
+template <Type T>
+void groups256(const Weights& w, const Activations& x, int64_t first, int64_t last, float* y, int64_t ldy) {
+  for (int64_t g = first; g < last; ++g) {
+    int64_t m = 0;
+    for (; m + 4 <= x.rows; m += 4) group256<T, 4>(w, x, g, m, y, ldy);
+    if (m + 2 <= x.rows) {
+      group256<T, 2>(w, x, g, m, y, ldy);
+      m += 2;
+    }
+    if (m < x.rows) group256<T, 1>(w, x, g, m, y, ldy);
+  }
+}
+
+}  // namespace
+
+void matmul_avx2(const Weights& w, const Activations& x, int64_t first, int64_t last, float* y, int64_t ldy) {
+  switch (w.type) {
+    case kQ4K:
+      return groups256<kQ4K>(w, x, first, last, y, ldy);
+    case kQ5K:
+      return groups256<kQ5K>(w, x, first, last, y, ldy);
+    case kQ6K:
+      return groups256<kQ6K>(w, x, first, last, y, ldy);
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace yaie_kquant
+
+#endif
