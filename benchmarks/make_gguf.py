@@ -42,7 +42,8 @@ SHAPES: dict[str, dict[str, object]] = {
     ),
     "llama-3.1-8b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+        rope_theta=500000.0,
     ),
 }  # fmt: skip
 
@@ -63,7 +64,9 @@ def hf_model(shape: str, out_dir: Path) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     parser.add_argument("--types", nargs="+", default=["Q4_K_M"], help="llama-quantize's type names")
     parser.add_argument("--out", type=Path, default=Path.home() / ".cache/yaie/gguf")

@@ -25,10 +25,21 @@ namespace {
 
 constexpr int64_t scales_offset(Type t) { return kQsBytes + (t == kQ4K ? 0 : t == kQ5K ? 512 : 1024); }
 
-inline int32_t load_i32(const int8_t* p) {
+inline int32_t load_i32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// A record's worth of cache lines from kPrefetchBytes past its start, asked for as it begins:
+// with the hardware prefetcher alone, a decoding step streamed its weights well below the rate
+// it does so (a full record or more ahead was slower again, as was spreading the requests over
+// the record's blocks).
+constexpr int64_t kPrefetchBytes = 1024;
+
+inline void prefetch_ahead(const uint8_t* rec, int64_t record) {
+  const char* ahead = reinterpret_cast<const char*>(rec + kPrefetchBytes);
+  for (int64_t offset = 0; offset < record; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
 }
 
 }  // namespace
@@ -88,10 +99,12 @@ template <Type T, int M>
 void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, float* y, int64_t ldy) {
   constexpr int64_t kSc = scales_offset(T);
   const int64_t k = w.superblocks * kSuper;
-  __m512 acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  // The rows' float sums live in y itself, touched once per super-block: the registers go to
+  // the unpacked weights and the rows' integer sums.
+  for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + (m + r) * ldy + g * kRows, _mm512_setzero_ps());
   for (int64_t s = 0; s < w.superblocks; ++s) {
     const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
+    prefetch_ahead(rec, w.record);
     __m512i sumi[M];
     for (int r = 0; r < M; ++r) sumi[r] = _mm512_setzero_si512();
     for (int64_t j = 0; j < 8; ++j) {
@@ -99,6 +112,8 @@ void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
       unpack512<T>(rec, j, lo, hi);
       const __m512i sc_lo = scales16(rec + kSc + (T == kQ6K ? 32 : 16) * j, T == kQ6K);
       const __m512i sc_hi = T == kQ6K ? scales16(rec + kSc + 32 * j + 16, true) : sc_lo;
+      // Unrolled, so that the rows' sums stay in registers.
+#pragma GCC unroll 16
       for (int r = 0; r < M; ++r) {
         const int8_t* xq = x.q + (m + r) * k + s * kSuper + 32 * j;
         __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
@@ -113,35 +128,50 @@ void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
         }
       }
     }
+    // The super-block's second integer term, sum over runs of 16 values of a weight-side factor
+    // times the activations' sum over the run: Q6_K's scales (its -32 offset), Q4_K's and Q5_K's
+    // mins (one per two runs). The factors go in int16 pairs, lane i holding row i's factors of
+    // runs 2p and 2p + 1, built once for the tile's rows; each row then takes eight vpdpwssd
+    // against its run sums, broadcast in pairs as they lie in memory.
+    __m512i factors[8];
+    for (int p = 0; p < 8; ++p) {
+      if constexpr (T == kQ6K) {
+        const __m512i even = scales16(rec + kSc + 32 * p, true), odd = scales16(rec + kSc + 32 * p + 16, true);
+        factors[p] = _mm512_or_si512(_mm512_and_si512(even, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(odd, 16));
+      } else {
+        const __m512i min = scales16(rec + kSc + 128 + 16 * p, false);
+        factors[p] = _mm512_or_si512(min, _mm512_slli_epi32(min, 16));
+      }
+    }
     const __m512 d = halves16(rec + kSc + 256);
     for (int r = 0; r < M; ++r) {
       const int16_t* bsum = x.bsums + ((m + r) * x.superblocks + s) * 16;
       const __m512 dx = _mm512_set1_ps(x.d[(m + r) * x.superblocks + s]);
       __m512i summ = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) summ = _mm512_dpwssd_epi32(summ, factors[p], _mm512_set1_epi32(load_i32(bsum + 2 * p)));
       if constexpr (T == kQ6K) {  // the -32 offset: 32 * sum of scale * the run's sum of q
-        for (int64_t run = 0; run < 16; ++run) {
-          summ = _mm512_add_epi32(summ, _mm512_mullo_epi32(scales16(rec + kSc + 16 * run, true), _mm512_set1_epi32(bsum[run])));
-        }
         const __m512i total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(summ, 5));
-        acc[r] = _mm512_fmadd_ps(dx, _mm512_mul_ps(d, _mm512_cvtepi32_ps(total)), acc[r]);
+        float* acc = y + (m + r) * ldy + g * kRows;
+        _mm512_storeu_ps(acc, _mm512_fmadd_ps(dx, _mm512_mul_ps(d, _mm512_cvtepi32_ps(total)), _mm512_loadu_ps(acc)));
       } else {
-        for (int64_t j = 0; j < 8; ++j) {
-          const __m512i pair = _mm512_set1_epi32(bsum[2 * j] + bsum[2 * j + 1]);
-          summ = _mm512_add_epi32(summ, _mm512_mullo_epi32(scales16(rec + kSc + 128 + 16 * j, false), pair));
-        }
         const __m512 dmin = halves16(rec + kSc + 288);
         const __m512 inner = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(summ)));
-        acc[r] = _mm512_fmadd_ps(dx, inner, acc[r]);
+        float* acc = y + (m + r) * ldy + g * kRows;
+        _mm512_storeu_ps(acc, _mm512_fmadd_ps(dx, inner, _mm512_loadu_ps(acc)));
       }
     }
   }
-  for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + (m + r) * ldy + g * kRows, acc[r]);
 }
 
 template <Type T>
 void groups512(const Weights& w, const Activations& x, int64_t first, int64_t last, float* y, int64_t ldy) {
   for (int64_t g = first; g < last; ++g) {
     int64_t m = 0;
+    // Q5_K's unpacking (its fifth bits) is worth sharing among 16 rows; for the others the
+    // 16-row tile's spilled sums cost what the sharing saves.
+    if constexpr (T == kQ5K) {
+      for (; m + 16 <= x.rows; m += 16) group512<T, 16>(w, x, g, m, y, ldy);
+    }
     for (; m + 8 <= x.rows; m += 8) group512<T, 8>(w, x, g, m, y, ldy);
     if (m + 4 <= x.rows) {
       group512<T, 4>(w, x, g, m, y, ldy);
@@ -254,6 +284,7 @@ void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
   for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < w.superblocks; ++s) {
     const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
+    prefetch_ahead(rec, w.record);
     __m256i sumi[M][2];
     for (int r = 0; r < M; ++r) sumi[r][0] = sumi[r][1] = _mm256_setzero_si256();
     for (int64_t j = 0; j < 8; ++j) {
@@ -262,6 +293,7 @@ void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
         unpack256<T>(rec, j, h, lo, hi);
         const __m256i sc_lo = scales8(rec + kSc + (T == kQ6K ? 32 : 16) * j + 8 * h, T == kQ6K);
         const __m256i sc_hi = T == kQ6K ? scales8(rec + kSc + 32 * j + 16 + 8 * h, true) : sc_lo;
+#pragma GCC unroll 4
         for (int r = 0; r < M; ++r) {
           __m256i a, b;
           dots256<T>(lo, hi, x.q + (m + r) * k + s * kSuper + 32 * j, a, b);
@@ -272,22 +304,30 @@ void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
       }
     }
     for (int h = 0; h < 2; ++h) {
+      // As group512's factors (int16 pairs of runs 2p and 2p + 1), for this half's eight rows.
+      __m256i factors[8];
+      for (int p = 0; p < 8; ++p) {
+        if constexpr (T == kQ6K) {
+          const __m256i even = scales8(rec + kSc + 32 * p + 8 * h, true);
+          const __m256i odd = scales8(rec + kSc + 32 * p + 16 + 8 * h, true);
+          factors[p] = _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(odd, 16));
+        } else {
+          const __m256i min = scales8(rec + kSc + 128 + 16 * p + 8 * h, false);
+          factors[p] = _mm256_or_si256(min, _mm256_slli_epi32(min, 16));
+        }
+      }
       const __m256 d = halves8(rec + kSc + 256 + 16 * h);
       for (int r = 0; r < M; ++r) {
         const int16_t* bsum = x.bsums + ((m + r) * x.superblocks + s) * 16;
         const __m256 dx = _mm256_set1_ps(x.d[(m + r) * x.superblocks + s]);
         __m256i summ = _mm256_setzero_si256();
+        for (int p = 0; p < 8; ++p) {
+          summ = _mm256_add_epi32(summ, _mm256_madd_epi16(factors[p], _mm256_set1_epi32(load_i32(bsum + 2 * p))));
+        }
         if constexpr (T == kQ6K) {
-          for (int64_t run = 0; run < 16; ++run) {
-            summ = _mm256_add_epi32(summ, _mm256_mullo_epi32(scales8(rec + kSc + 16 * run + 8 * h, true), _mm256_set1_epi32(bsum[run])));
-          }
           const __m256i total = _mm256_sub_epi32(sumi[r][h], _mm256_slli_epi32(summ, 5));
           acc[r][h] = _mm256_fmadd_ps(dx, _mm256_mul_ps(d, _mm256_cvtepi32_ps(total)), acc[r][h]);
         } else {
-          for (int64_t j = 0; j < 8; ++j) {
-            const __m256i pair = _mm256_set1_epi32(bsum[2 * j] + bsum[2 * j + 1]);
-            summ = _mm256_add_epi32(summ, _mm256_mullo_epi32(scales8(rec + kSc + 128 + 16 * j + 8 * h, false), pair));
-          }
           const __m256 dmin = halves8(rec + kSc + 288 + 16 * h);
           const __m256 inner = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(sumi[r][h]), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ)));
           acc[r][h] = _mm256_fmadd_ps(dx, inner, acc[r][h]);
