@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tests.model.gguf_writer import Q, byte_level_vocab, gguf_tensor_name, write_gguf
@@ -294,6 +294,16 @@ def test_k_quant_tied_table_is_held_once(tmp_path, vocab, head, native_kernels, 
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+def test_k_quants_hold_what_their_file_does(tmp_path, vocab, native_kernels):
+    """A Q4_K_M-like file's weights take no more memory than its tensors do on disk, within 5%:
+    the super-block records keep the file's bits (6-bit scales and mins take a byte each)."""
+    raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_K, "gate_proj": Q.Q4_K,
+                 "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # fmt: skip
+    path = write_raw_types(tmp_path / "k.gguf", vocab, raw_types, Q.Q6_K, seed=4, tied=True)
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    assert file_bytes <= load(path, "auto").weight_bytes <= 1.05 * file_bytes
 
 
 def test_dense_shard_beside_quantized_ones(tmp_path, vocab, llama, native_kernels, monkeypatch):
