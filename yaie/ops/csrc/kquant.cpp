@@ -71,14 +71,14 @@ void quantize_row_q8k(const float* x, int64_t superblocks, int8_t* q, float* d, 
 #pragma GCC pop_options
 
 void matmul_scalar(const Weights& w, const Activations& x, int64_t first, int64_t last, float* y, int64_t ldy) {
-  const int64_t k = w.superblocks * kSuper, sc_off = kQsBytes + qh_bytes(w.type);
+  const int64_t sc_off = kQsBytes + qh_bytes(w.type);
   for (int64_t g = first; g < last; ++g) {
     for (int64_t m = 0; m < x.rows; ++m) {
       for (int64_t i = 0; i < kRows; ++i) {
         float acc = 0.f;
         for (int64_t s = 0; s < w.superblocks; ++s) {
           const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
-          const int8_t* xq = x.q + m * k + s * kSuper;
+          const int8_t* xq = x.q + m * x.ldq + s * kSuper;
           const int16_t* bsum = x.bsums + (m * x.superblocks + s) * 16;
           const float dx = x.d[m * x.superblocks + s];
           int32_t sumi = 0, summ = 0;
@@ -155,23 +155,24 @@ MatmulFn kernel_for(int64_t isa) {
 
 // One per-thread buffer for the quantized activations, grown to the largest call and reused, as
 // quant_matmul.cpp's: q [rows, K] int8, then d [rows, superblocks] float, then bsums int16.
+// The rows of q lie K + 64 bytes apart: K is a multiple of 256, so K apart the rows of a tile
+// would all fall in the same few L1 sets and evict each other.
 Activations quantize(const at::Tensor& x) {
-  const int64_t rows = x.size(0), superblocks = x.size(1) / kSuper;
+  const int64_t rows = x.size(0), superblocks = x.size(1) / kSuper, ldq = x.size(1) + 64;
   thread_local std::vector<float> buffer;
-  // Per super-block: 256 bytes of q (64 floats), d (1 float), 16 int16 sums (8 floats).
-  const auto needed = static_cast<size_t>(rows * superblocks * 73);
+  // q: ldq bytes a row (ldq / 4 floats); per super-block d (1 float) and 16 int16 sums (8 floats).
+  const auto needed = static_cast<size_t>(rows * (ldq / 4 + superblocks * 9));
   if (buffer.size() < needed) buffer.resize(needed);
   int8_t* q = reinterpret_cast<int8_t*>(buffer.data());
-  float* d = buffer.data() + rows * superblocks * 64;
+  float* d = buffer.data() + rows * ldq / 4;
   int16_t* bsums = reinterpret_cast<int16_t*>(d + rows * superblocks);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / x.size(1)), [&](int64_t first, int64_t last) {
     for (int64_t m = first; m < last; ++m) {
-      quantize_row_q8k(xp + m * x.size(1), superblocks, q + m * x.size(1), d + m * superblocks,
-                       bsums + m * superblocks * 16);
+      quantize_row_q8k(xp + m * x.size(1), superblocks, q + m * ldq, d + m * superblocks, bsums + m * superblocks * 16);
     }
   });
-  return {q, d, bsums, rows, superblocks};
+  return {q, ldq, d, bsums, rows, superblocks};
 }
 
 }  // namespace

@@ -57,7 +57,8 @@ struct Weights {
 };
 
 struct Activations {
-  const int8_t* q;       // [rows, K]
+  const int8_t* q;       // [rows, K], rows ldq bytes apart
+  int64_t ldq;           // K plus a cache line: see kquant.cpp's quantize
   const float* d;        // [rows, superblocks]
   const int16_t* bsums;  // [rows, superblocks * 16]: the sum of q per 16 values
   int64_t rows;

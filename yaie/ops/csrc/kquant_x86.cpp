@@ -98,7 +98,6 @@ inline __m512 halves16(const uint8_t* p) {
 template <Type T, int M>
 void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, float* y, int64_t ldy) {
   constexpr int64_t kSc = scales_offset(T);
-  const int64_t k = w.superblocks * kSuper;
   // The rows' float sums live in y itself, touched once per super-block: the registers go to
   // the unpacked weights and the rows' integer sums.
   for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + (m + r) * ldy + g * kRows, _mm512_setzero_ps());
@@ -115,7 +114,7 @@ void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
       // Unrolled, so that the rows' sums stay in registers.
 #pragma GCC unroll 16
       for (int r = 0; r < M; ++r) {
-        const int8_t* xq = x.q + (m + r) * k + s * kSuper + 32 * j;
+        const int8_t* xq = x.q + (m + r) * x.ldq + s * kSuper + 32 * j;
         __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
           a = _mm512_dpbusd_epi32(a, lo[c], _mm512_set1_epi32(load_i32(xq + 4 * c)));
@@ -279,7 +278,6 @@ inline void dots256(const __m256i lo[4], const __m256i hi[4], const int8_t* xq, 
 template <Type T, int M>
 void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, float* y, int64_t ldy) {
   constexpr int64_t kSc = scales_offset(T);
-  const int64_t k = w.superblocks * kSuper;
   __m256 acc[M][2];
   for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < w.superblocks; ++s) {
@@ -296,7 +294,7 @@ void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
 #pragma GCC unroll 4
         for (int r = 0; r < M; ++r) {
           __m256i a, b;
-          dots256<T>(lo, hi, x.q + (m + r) * k + s * kSuper + 32 * j, a, b);
+          dots256<T>(lo, hi, x.q + (m + r) * x.ldq + s * kSuper + 32 * j, a, b);
           const __m256i scaled = T == kQ6K ? _mm256_add_epi32(_mm256_mullo_epi32(a, sc_lo), _mm256_mullo_epi32(b, sc_hi))
                                            : _mm256_mullo_epi32(_mm256_add_epi32(a, b), sc_lo);
           sumi[r][h] = _mm256_add_epi32(sumi[r][h], scaled);
