@@ -279,9 +279,7 @@ def test_embedding_refuses_ids_outside_the_table(native_kernels):
 # GGUF stores these formats' scales (and Q4_1's mins, Q4_0's -8 d) as float16 values; the
 # K-quants' (and IQ4_XS's) are products of a float16 and a 6-bit or 8-bit integer, mostly not
 # float16 values.
-SCALES_IN_FLOAT16 = {
-    T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q5_0: True, T.Q3_K: False, T.IQ4_NL: True, T.IQ4_XS: False,
-}  # fmt: skip
+SCALES_IN_FLOAT16 = {T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q5_0: True, T.IQ4_NL: True, T.IQ4_XS: False}
 
 
 @pytest.mark.parametrize("ggml_type", PACKED_TYPES, ids=lambda t: t.name)
@@ -326,7 +324,7 @@ def test_quantize_dense_weight(scheme, group_size, isa):
 
 
 def test_unsupported_type_names_itself_and_the_supported_ones():
-    supported = "Q8_0, Q4_0, Q4_1, Q5_0, Q3_K, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K"
+    supported = "Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K, Q3_K"
     with pytest.raises(ValueError, match=rf"Q2_K.*supported: {supported}"):
         from_gguf(b"", T.Q2_K, 4, 256, ops=ops())
 

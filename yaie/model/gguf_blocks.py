@@ -1,14 +1,14 @@
 """GGUF's quantized block formats decoded into what the kernels' layouts are packed from.
 
-The K-quants Q4_K, Q5_K and Q6_K come out as their super-blocks' fields (kquant_layout.KQuantFields),
-which keep the file's bits a value (yaie/ops/kquant_layout.py). Every other type is unpacked into
-values and scales in row order (quant_layout.Unpacked) and maps exactly onto one of
-quant_layout's two layouts: 4-bit values with a scale and a min per 32 (Q4_0, Q4_1), or int8
-values with a scale per 32 (Q8_0; Q5_0's q - 16; IQ4_NL's and IQ4_XS's table values) or per 16
-(Q3_K's signed 3-bit values). "Exactly": every weight dequantizes to the float32 the `gguf`
-package computes, the same product of the same two factors. Q5_0, Q3_K and the IQ4 types thus
-take 8 bits a value in memory (the IQ4 types' table values are not evenly spaced, so no 4-bit
-scale and min reproduces them).
+The K-quants Q3_K, Q4_K, Q5_K and Q6_K come out as their super-blocks' fields
+(kquant_layout.KQuantFields), which keep (Q3_K: nearly) the file's bits a value
+(yaie/ops/kquant_layout.py). Every other type is unpacked into values and scales in row order
+(quant_layout.Unpacked) and maps exactly onto one of quant_layout's two layouts: 4-bit values with
+a scale and a min per 32 (Q4_0, Q4_1), or int8 values with a scale per 32 (Q8_0; Q5_0's q - 16;
+IQ4_NL's and IQ4_XS's table values). "Exactly": every weight dequantizes to the float32 the `gguf`
+package computes, the same product of the same two factors. Q5_0 and the IQ4 types thus take 8
+bits a value in memory (the IQ4 types' table values are not evenly spaced, so no 4-bit scale and
+min reproduces them).
 """
 
 from __future__ import annotations
@@ -87,29 +87,11 @@ def _unpack_iq4_xs(blocks: np.ndarray) -> Unpacked:
     return Unpacked(values.reshape(*lead, 256), d * scales, None, BLOCK)
 
 
-def _unpack_q3_k(blocks: np.ndarray) -> Unpacked:
-    """256-value super-blocks: a high-bit mask (32 bytes: value 32 r + j takes bit r of byte j),
-    2 low bits of each value (64 bytes: two runs of 128 values, each 4 x 32 at bit shifts 0, 2, 4,
-    6), sixteen 6-bit scales packed in 12 bytes, d. q = low - 4 where the high bit is clear,
-    scale = d * (6-bit - 32), one per 16 values."""
-    lead = blocks.shape[:-1]
-    high = _high_bits(blocks[..., 0:32], 8)  # [..., 8 runs, 32]
-    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-    low = (blocks[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [..., 2, 4, 32]
-    q = low.reshape(*lead, 8, 32).astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)
-    packed = blocks[..., 96:108]
-    nibbles = np.stack([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-2).reshape(*lead, 16)
-    twos = (packed[..., 8:12].reshape(*lead, 1, 4) >> shifts) & 3  # [..., 4 shifts, 4 bytes]
-    scales = (nibbles | (twos.reshape(*lead, 16) << 4)).astype(np.float32) - 32
-    return Unpacked(q.reshape(*lead, 256), _fp16(blocks, 108) * scales, None, 16)
-
-
 _UNPACKERS = {
     GGMLQuantizationType.Q8_0: _unpack_q8_0,
     GGMLQuantizationType.Q4_0: _unpack_q4_0,
     GGMLQuantizationType.Q4_1: _unpack_q4_1,
     GGMLQuantizationType.Q5_0: _unpack_q5_0,
-    GGMLQuantizationType.Q3_K: _unpack_q3_k,
     GGMLQuantizationType.IQ4_NL: _unpack_iq4_nl,
     GGMLQuantizationType.IQ4_XS: _unpack_iq4_xs,
 }
@@ -155,10 +137,28 @@ def _q6_k_fields(blocks: np.ndarray) -> KQuantFields:
     return KQuantFields("Q6_K", values, scales, None, _fp16(blocks, 208)[..., 0], None)
 
 
+def _q3_k_fields(blocks: np.ndarray) -> KQuantFields:
+    """256-value super-blocks: a high-bit mask (32 bytes: value 32 r + j takes bit r of byte j),
+    2 low bits of each value (64 bytes: two runs of 128 values, each 4 x 32 at bit shifts 0, 2, 4,
+    6), sixteen 6-bit scales packed in 12 bytes, d. w = d * (6-bit - 32) * q, q = low - 4 where
+    the high bit is clear: stored as q + 4 = low + 4 * high, 0..7, with the scales signed."""
+    lead = blocks.shape[:-1]
+    high = _high_bits(blocks[..., 0:32], 8)  # [..., 8 runs, 32]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    low = (blocks[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [..., 2, 4, 32]
+    values = (low.reshape(*lead, 8, 32) | (high << 2)).reshape(*lead, 256)
+    packed = blocks[..., 96:108]
+    nibbles = np.stack([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-2).reshape(*lead, 16)
+    twos = (packed[..., 8:12].reshape(*lead, 1, 4) >> shifts) & 3  # [..., 4 shifts, 4 bytes]
+    scales = ((nibbles | (twos.reshape(*lead, 16) << 4)).astype(np.int16) - 32).astype(np.int8)
+    return KQuantFields("Q3_K", values, scales, None, _fp16(blocks, 108)[..., 0], None)
+
+
 _KQUANT_FIELDS = {
     GGMLQuantizationType.Q4_K: _q4_k_fields,
     GGMLQuantizationType.Q5_K: _q5_k_fields,
     GGMLQuantizationType.Q6_K: _q6_k_fields,
+    GGMLQuantizationType.Q3_K: _q3_k_fields,
 }
 SUPPORTED_GGML_TYPES = tuple(_UNPACKERS) + tuple(_KQUANT_FIELDS)
 KQUANT_GGML_TYPES = tuple(_KQUANT_FIELDS)

@@ -18,8 +18,11 @@ SUPER = 256  # values per super-block
 RECORD_ROWS = 16  # weight rows per record
 QS_BYTES = 2048
 # Record bytes and high-bit plane bytes per type; the record size is what names a packed tensor's type.
-RECORD_BYTES = {"Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3392}
-_QH_BYTES = {"Q4_K": 0, "Q5_K": 512, "Q6_K": 1024}
+RECORD_BYTES = {"Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3392, "Q3_K": 2432}
+_QH_BYTES = {"Q4_K": 0, "Q5_K": 512, "Q6_K": 1024, "Q3_K": 0}
+# The types with a signed scale per 16 values and a fixed offset instead of mins:
+# w = d * scale * (q - offset).
+_OFFSETS = {"Q6_K": 32, "Q3_K": 4}
 KQUANT_TYPES = tuple(RECORD_BYTES)
 
 
@@ -27,10 +30,11 @@ KQUANT_TYPES = tuple(RECORD_BYTES)
 class KQuantFields:
     """One weight's super-blocks as its file stores them, in row order ([N, K / 256, ...]).
 
-    values: uint8 [N, S, 256], the stored integers in value order (0..15, 0..31 or 0..63);
-    scales: uint8 [N, S, 8] (6-bit, per 32 values) or int8 [N, S, 16] (Q6_K, per 16);
-    mins: uint8 [N, S, 8] or None (Q6_K); d, dmin: float16 [N, S] (dmin None for Q6_K).
-    w = d * scale * q - dmin * min, or d * scale * (q - 32) for Q6_K.
+    values: uint8 [N, S, 256], the stored integers in value order (0..15, 0..31 or 0..63; Q3_K's
+    3-bit values plus 4, 0..7);
+    scales: uint8 [N, S, 8] (6-bit, per 32 values) or int8 [N, S, 16] (Q6_K, Q3_K: per 16);
+    mins: uint8 [N, S, 8] or None (Q6_K, Q3_K); d, dmin: float16 [N, S] (dmin None for those).
+    w = d * scale * q - dmin * min, or d * scale * (q - 32) for Q6_K, d * scale * (q - 4) for Q3_K.
     """
 
     type_name: str
@@ -124,10 +128,10 @@ def dequantize_kquant(packed: torch.Tensor) -> torch.Tensor:
         bits = packed[..., start : start + 32].contiguous().view(torch.float16).float()
         return bits.permute(0, 2, 1).unsqueeze(-1)
 
-    if type_name == "Q6_K":
+    if type_name in _OFFSETS:
         sc = packed[..., end : end + 256].contiguous().view(torch.int8).view(groups, s, 16, RECORD_ROWS)
         scale = halves(end + 256) * sc.permute(0, 3, 1, 2).float()  # [g, i, s, 16]
-        w = scale.repeat_interleave(16, dim=-1) * (values - 32)
+        w = scale.repeat_interleave(16, dim=-1) * (values - _OFFSETS[type_name])
     else:
         sc = p[..., end : end + 128].view(groups, s, 8, RECORD_ROWS).permute(0, 3, 1, 2).float()
         mn = p[..., end + 128 : end + 256].view(groups, s, 8, RECORD_ROWS).permute(0, 3, 1, 2).float()

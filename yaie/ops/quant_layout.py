@@ -2,8 +2,9 @@
 (csrc/quant_common.h), and what picks between the kernels.
 
 "Packing" in yaie means one thing: laying a weight out for the kernel that multiplies by it. Here
-that is 4-bit values with a scale and a min per 32 (Q4_0, Q4_1, Q4_K, int4) or 8-bit values with a
-scale per 32 or per 16 (Q8_0, int8, Q5_0, IQ4_NL, IQ4_XS; Q6_K, Q3_K), rows in groups of
+that is 4-bit values with a scale and a min per 32 (Q4_0, Q4_1, int4) or 8-bit values with a
+scale per 32 (Q8_0, int8, Q5_0, IQ4_NL, IQ4_XS; the kernels also take a scale per 16, which no
+format uses since the K-quants moved to yaie/ops/kquant_layout.py), rows in groups of
 GROUP_ROWS; for a dense weight it is oneDNN's blocked layout (yaie/model/linear.py). Scales and
 mins are kept in float16 where all of a weight's are exactly float16 (Q4_0, Q4_1 and Q8_0 store
 them so), else in float32, so every format's dequantized weights are exactly what the `gguf`

@@ -29,7 +29,7 @@ float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-int64_t qh_bytes(Type type) { return type == kQ4K ? 0 : type == kQ5K ? 512 : 1024; }
+int64_t qh_bytes(Type type) { return type == kQ5K ? 512 : type == kQ6K ? 1024 : 0; }
 
 // Value n (0..255) of lane i of a record, before any offset: 0..15, 0..31 or 0..63.
 int32_t value_at(const uint8_t* rec, Type type, int64_t i, int64_t n) {
@@ -82,7 +82,7 @@ void matmul_scalar(const Weights& w, const Activations& x, int64_t first, int64_
           const int16_t* bsum = x.bsums + (m * x.superblocks + s) * 16;
           const float dx = x.d[m * x.superblocks + s];
           int32_t sumi = 0, summ = 0;
-          if (w.type == kQ6K) {
+          if (per16(w.type)) {
             for (int64_t run = 0; run < 16; ++run) {
               int32_t dot = 0;
               for (int64_t n = 16 * run; n < 16 * run + 16; ++n) dot += value_at(rec, w.type, i, n) * xq[n];
@@ -90,7 +90,8 @@ void matmul_scalar(const Weights& w, const Activations& x, int64_t first, int64_
               sumi += scale * dot;
               summ += scale * bsum[run];
             }
-            acc += dx * (half_at(rec + sc_off + 256 + 2 * i) * static_cast<float>(sumi - 32 * summ));
+            const int32_t offset = 1 << offset_shift(w.type);
+            acc += dx * (half_at(rec + sc_off + 256 + 2 * i) * static_cast<float>(sumi - offset * summ));
           } else {
             for (int64_t j = 0; j < 8; ++j) {
               int32_t dot = 0;
@@ -114,10 +115,11 @@ void dequantize_row(const Weights& w, int64_t g, int64_t i, float* out) {
     const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
     float* o = out + s * kSuper;
     const float d = half_at(rec + sc_off + 256 + 2 * i);
-    if (w.type == kQ6K) {
+    if (per16(w.type)) {
+      const int32_t offset = 1 << offset_shift(w.type);
       for (int64_t n = 0; n < kSuper; ++n) {
         const float scale = d * static_cast<float>(static_cast<int8_t>(rec[sc_off + (n / 16) * 16 + i]));
-        o[n] = scale * static_cast<float>(value_at(rec, w.type, i, n) - 32);
+        o[n] = scale * static_cast<float>(value_at(rec, w.type, i, n) - offset);
       }
     } else {
       const float dmin = half_at(rec + sc_off + 288 + 2 * i);
@@ -138,8 +140,8 @@ Weights weights_view(const at::Tensor& packed) {
               "a K-quant weight is a contiguous uint8 [groups, K/256, record bytes]");
   const int64_t record = packed.size(2);
   int type = 0;
-  while (type < 3 && kRecordBytes[type] != record) ++type;
-  TORCH_CHECK(type < 3, "no K-quant type has records of ", record, " bytes");
+  while (type < 4 && kRecordBytes[type] != record) ++type;
+  TORCH_CHECK(type < 4, "no K-quant type has records of ", record, " bytes");
   return {packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1), static_cast<Type>(type), record};
 }
 

@@ -1,6 +1,6 @@
 // The super-block layout of GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) and its matmul kernels.
 //
-// These types keep a 256-value super-block per row with a float16 scale (and min) and small
+// These types (and Q3_K, in the same frame) keep a 256-value super-block per row with a float16 scale (and min) and small
 // integer scales per 32 or 16 values; kept so, a weight costs what its file does (4.5, 5.5 and
 // 6.56 bits a value), where quant_common.h's layout, with a float scale per 32, costs 6 to 10.
 // yaie/ops/kquant_layout.py repacks the file's blocks once at load, without changing a value,
@@ -23,7 +23,8 @@
 //          Q6_K pads its record by 32 bytes to a multiple of 64.
 //
 // w = d * scale_j * q - dmin * min_j (Q4_K, Q5_K: q in 0..15 or 0..31), w = d * scale_k * (q - 32)
-// (Q6_K: q in 0..63): exactly the `gguf` package's values. Rows past out_features (padding to 16)
+// (Q6_K: q in 0..63), w = d * scale * (q - 4) (Q3_K: q in 0..7, scales and d laid out as
+// Q6_K's, no high-bit plane; padded to 2432 bytes): exactly the `gguf` package's values. Rows past out_features (padding to 16)
 // have zero scales, so zero outputs.
 //
 // Activations are quantized per row in super-blocks of 256, as llama.cpp's Q8_K: a float scale
@@ -43,10 +44,15 @@ constexpr int64_t kRows = 16;         // weight rows per record
 constexpr int64_t kSuper = 256;       // values per super-block
 constexpr int64_t kQsBytes = 2048;    // the low-4-bit plane of a record
 
-enum Type : int { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+enum Type : int { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ3K = 3 };
+
+// Q6_K and Q3_K: a signed scale per 16 values and a fixed offset (w = d * scale * (q - offset)),
+// no mins. Q3_K's values (0..7, the file's 3-bit value + 4) fit the low-4-bit plane alone.
+constexpr bool per16(Type t) { return t == kQ6K || t == kQ3K; }
+constexpr int offset_shift(Type t) { return t == kQ6K ? 5 : 2; }  // the offset, 32 or 4, as a shift
 
 // A record's size in bytes, per type: what identifies the type of a packed tensor.
-constexpr int64_t kRecordBytes[3] = {2368, 2880, 3392};
+constexpr int64_t kRecordBytes[4] = {2368, 2880, 3392, 2432};
 
 struct Weights {
   const uint8_t* data;  // [groups, superblocks, record bytes]

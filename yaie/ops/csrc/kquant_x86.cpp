@@ -23,7 +23,7 @@ namespace yaie_kquant {
 
 namespace {
 
-constexpr int64_t scales_offset(Type t) { return kQsBytes + (t == kQ4K ? 0 : t == kQ5K ? 512 : 1024); }
+constexpr int64_t scales_offset(Type t) { return kQsBytes + (t == kQ5K ? 512 : t == kQ6K ? 1024 : 0); }
 
 inline int32_t load_i32(const void* p) {
   int32_t v;
@@ -109,8 +109,8 @@ void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
     for (int64_t j = 0; j < 8; ++j) {
       __m512i lo[4], hi[4];
       unpack512<T>(rec, j, lo, hi);
-      const __m512i sc_lo = scales16(rec + kSc + (T == kQ6K ? 32 : 16) * j, T == kQ6K);
-      const __m512i sc_hi = T == kQ6K ? scales16(rec + kSc + 32 * j + 16, true) : sc_lo;
+      const __m512i sc_lo = scales16(rec + kSc + (per16(T) ? 32 : 16) * j, per16(T));
+      const __m512i sc_hi = per16(T) ? scales16(rec + kSc + 32 * j + 16, true) : sc_lo;
       // Unrolled, so that the rows' sums stay in registers.
 #pragma GCC unroll 16
       for (int r = 0; r < M; ++r) {
@@ -120,7 +120,7 @@ void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
           a = _mm512_dpbusd_epi32(a, lo[c], _mm512_set1_epi32(load_i32(xq + 4 * c)));
           b = _mm512_dpbusd_epi32(b, hi[c], _mm512_set1_epi32(load_i32(xq + 16 + 4 * c)));
         }
-        if constexpr (T == kQ6K) {
+        if constexpr (per16(T)) {
           sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(_mm512_mullo_epi32(a, sc_lo), _mm512_mullo_epi32(b, sc_hi)));
         } else {
           sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(_mm512_add_epi32(a, b), sc_lo));
@@ -128,13 +128,13 @@ void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
       }
     }
     // The super-block's second integer term, sum over runs of 16 values of a weight-side factor
-    // times the activations' sum over the run: Q6_K's scales (its -32 offset), Q4_K's and Q5_K's
+    // times the activations' sum over the run: Q6_K's and Q3_K's scales (their offset), Q4_K's and Q5_K's
     // mins (one per two runs). The factors go in int16 pairs, lane i holding row i's factors of
     // runs 2p and 2p + 1, built once for the tile's rows; each row then takes eight vpdpwssd
     // against its run sums, broadcast in pairs as they lie in memory.
     __m512i factors[8];
     for (int p = 0; p < 8; ++p) {
-      if constexpr (T == kQ6K) {
+      if constexpr (per16(T)) {
         const __m512i even = scales16(rec + kSc + 32 * p, true), odd = scales16(rec + kSc + 32 * p + 16, true);
         factors[p] = _mm512_or_si512(_mm512_and_si512(even, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(odd, 16));
       } else {
@@ -148,8 +148,8 @@ void group512(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
       const __m512 dx = _mm512_set1_ps(x.d[(m + r) * x.superblocks + s]);
       __m512i summ = _mm512_setzero_si512();
       for (int p = 0; p < 8; ++p) summ = _mm512_dpwssd_epi32(summ, factors[p], _mm512_set1_epi32(load_i32(bsum + 2 * p)));
-      if constexpr (T == kQ6K) {  // the -32 offset: 32 * sum of scale * the run's sum of q
-        const __m512i total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(summ, 5));
+      if constexpr (per16(T)) {  // the offset (32 or 4) times the sum of scale * the run's sum of q
+        const __m512i total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(summ, offset_shift(T)));
         float* acc = y + (m + r) * ldy + g * kRows;
         _mm512_storeu_ps(acc, _mm512_fmadd_ps(dx, _mm512_mul_ps(d, _mm512_cvtepi32_ps(total)), _mm512_loadu_ps(acc)));
       } else {
@@ -195,6 +195,8 @@ void matmul_avx512vnni(const Weights& w, const Activations& x, int64_t first, in
       return groups512<kQ5K>(w, x, first, last, y, ldy);
     case kQ6K:
       return groups512<kQ6K>(w, x, first, last, y, ldy);
+    case kQ3K:
+      return groups512<kQ3K>(w, x, first, last, y, ldy);
   }
 }
 
@@ -264,7 +266,7 @@ inline void dots256(const __m256i lo[4], const __m256i hi[4], const int8_t* xq, 
                                          _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
     a = _mm256_madd_epi16(all, ones);
     b = _mm256_setzero_si256();
-  } else if constexpr (T == kQ5K) {
+  } else if constexpr (T == kQ5K || T == kQ3K) {  // Q3_K's sums per 16 values, as its scales
     a = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
     b = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])), ones);
   } else {
@@ -289,13 +291,13 @@ void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
       for (int h = 0; h < 2; ++h) {
         __m256i lo[4], hi[4];
         unpack256<T>(rec, j, h, lo, hi);
-        const __m256i sc_lo = scales8(rec + kSc + (T == kQ6K ? 32 : 16) * j + 8 * h, T == kQ6K);
-        const __m256i sc_hi = T == kQ6K ? scales8(rec + kSc + 32 * j + 16 + 8 * h, true) : sc_lo;
+        const __m256i sc_lo = scales8(rec + kSc + (per16(T) ? 32 : 16) * j + 8 * h, per16(T));
+        const __m256i sc_hi = per16(T) ? scales8(rec + kSc + 32 * j + 16 + 8 * h, true) : sc_lo;
 #pragma GCC unroll 4
         for (int r = 0; r < M; ++r) {
           __m256i a, b;
           dots256<T>(lo, hi, x.q + (m + r) * x.ldq + s * kSuper + 32 * j, a, b);
-          const __m256i scaled = T == kQ6K ? _mm256_add_epi32(_mm256_mullo_epi32(a, sc_lo), _mm256_mullo_epi32(b, sc_hi))
+          const __m256i scaled = per16(T) ? _mm256_add_epi32(_mm256_mullo_epi32(a, sc_lo), _mm256_mullo_epi32(b, sc_hi))
                                            : _mm256_mullo_epi32(_mm256_add_epi32(a, b), sc_lo);
           sumi[r][h] = _mm256_add_epi32(sumi[r][h], scaled);
         }
@@ -305,7 +307,7 @@ void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
       // As group512's factors (int16 pairs of runs 2p and 2p + 1), for this half's eight rows.
       __m256i factors[8];
       for (int p = 0; p < 8; ++p) {
-        if constexpr (T == kQ6K) {
+        if constexpr (per16(T)) {
           const __m256i even = scales8(rec + kSc + 32 * p + 8 * h, true);
           const __m256i odd = scales8(rec + kSc + 32 * p + 16 + 8 * h, true);
           factors[p] = _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(odd, 16));
@@ -322,8 +324,8 @@ void group256(const Weights& w, const Activations& x, int64_t g, int64_t m, floa
         for (int p = 0; p < 8; ++p) {
           summ = _mm256_add_epi32(summ, _mm256_madd_epi16(factors[p], _mm256_set1_epi32(load_i32(bsum + 2 * p))));
         }
-        if constexpr (T == kQ6K) {
-          const __m256i total = _mm256_sub_epi32(sumi[r][h], _mm256_slli_epi32(summ, 5));
+        if constexpr (per16(T)) {
+          const __m256i total = _mm256_sub_epi32(sumi[r][h], _mm256_slli_epi32(summ, offset_shift(T)));
           acc[r][h] = _mm256_fmadd_ps(dx, _mm256_mul_ps(d, _mm256_cvtepi32_ps(total)), acc[r][h]);
         } else {
           const __m256 dmin = halves8(rec + kSc + 288 + 16 * h);
@@ -361,6 +363,8 @@ void matmul_avx2(const Weights& w, const Activations& x, int64_t first, int64_t 
       return groups256<kQ5K>(w, x, first, last, y, ldy);
     case kQ6K:
       return groups256<kQ6K>(w, x, first, last, y, ldy);
+    case kQ3K:
+      return groups256<kQ3K>(w, x, first, last, y, ldy);
   }
 }
 
