@@ -90,6 +90,10 @@ class OpenAIServer:
         self.metrics = ServerMetrics(async_engine.stats)
         self.max_prompt_chars = async_engine.max_model_len * MAX_CHARS_PER_TOKEN
         self.responses = ResponseStore()  # what /v1/responses stores, for previous_response_id
+        # One card, made at start: `created` is when the model was loaded, the same on every call.
+        self.model_card = p.ModelCard(
+            id=served_model_name, root=str(async_engine.model_path), max_model_len=async_engine.max_model_len
+        )
 
     def _check_chars(self, texts: Sequence[str], param: str) -> None:
         if sum(len(text) for text in texts) > self.max_prompt_chars:
@@ -250,12 +254,12 @@ class OpenAIServer:
         return await self.engine.encode_chat(messages, chat.tool_definitions)
 
     async def models(self) -> Response:
-        card = p.ModelCard(
-            id=self.model_name,
-            root=str(self.engine.model_path),
-            max_model_len=self.engine.max_model_len,
-        )
-        return _json(p.ModelList(data=[card]))
+        return _json(p.ModelList(data=[self.model_card]))
+
+    async def model(self, model_id: str) -> Response:
+        """The served model's card, as /v1/models lists it; any other id is not found."""
+        self._check_model(model_id)
+        return _json(self.model_card)
 
     async def tokenize(self, body: p.TokenizeRequest) -> Response:
         self._check_model(body.model)
@@ -323,6 +327,8 @@ def build_app(
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    # ":path": a served name may hold slashes (Qwen/Qwen3-0.6B), as the client sends it unescaped.
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
     app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
