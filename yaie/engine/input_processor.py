@@ -29,6 +29,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "raise_exception", "strftime_now",  # the functions transformers gives templates
 })  # fmt: skip
 
 
@@ -100,6 +101,12 @@ class InputProcessor:
             )
         except TemplateError as exc:  # templates raise on conversations they do not accept
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+        except (TypeError, ValueError, AttributeError) as exc:
+            if not chat_template_kwargs:
+                raise
+            # A variable of a type the template cannot use ("enable_thinking": [1]) is the request's fault.
+            param = "chat_template_kwargs"
+            raise InvalidRequestError(f"{param}: the chat template failed on them: {exc}", param) from exc
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def compile_grammar(self, spec: StructuredOutputs) -> Grammar:
