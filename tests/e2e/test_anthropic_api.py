@@ -340,6 +340,7 @@ blocks = st.one_of(
         },
     ),
     st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "video", 3])}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": texts, "signature": texts}),
 )
 anthropic_messages = st.lists(
     st.fixed_dictionaries(
@@ -363,6 +364,13 @@ anthropic_bodies = st.fixed_dictionaries(
         "stop_sequences": st.one_of(st.lists(texts, max_size=2), junk),
         "stream": st.booleans(),
         "metadata": st.one_of(st.fixed_dictionaries({"user_id": texts}), junk),
+        "thinking": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
+                optional={"budget_tokens": st.one_of(st.integers(-1, 2048), junk)},
+            ),
+            junk,
+        ),
         "tools": st.one_of(
             st.lists(
                 st.fixed_dictionaries(

@@ -48,8 +48,18 @@ sampling = {
 }
 # max_tokens is always given and small, so that the accepted requests stay quick.
 max_tokens = st.one_of(st.integers(-1, 3), st.just(10**9), st.text(max_size=2))
+# Template variables: the one thinking templates read, ones the server sets itself, and any.
+template_kwargs = st.one_of(
+    junk,
+    st.dictionaries(
+        st.one_of(st.sampled_from(["enable_thinking", "tokenize", "messages", "raise_exception"]), texts),
+        junk,
+        max_size=2,
+    ),
+)
 chat_bodies = st.fixed_dictionaries(
-    {"model": st.just(MODEL), "messages": messages, "max_tokens": max_tokens}, optional=sampling
+    {"model": st.just(MODEL), "messages": messages, "max_tokens": max_tokens},
+    optional={**sampling, "chat_template_kwargs": template_kwargs},
 )
 completion_bodies = st.fixed_dictionaries(
     {

@@ -301,6 +301,8 @@ def add_up(events: list[a.StreamEvent]) -> dict[str, Any]:
             delta = data["delta"]
             if delta["type"] == "text_delta":
                 message["content"][data["index"]]["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                message["content"][data["index"]]["thinking"] += delta["thinking"]
             else:
                 partial[data["index"]] = partial.get(data["index"], "") + delta["partial_json"]
         elif data["type"] == "content_block_stop" and data["index"] in partial:
@@ -372,3 +374,27 @@ def test_the_stream_is_in_anthropics_order_and_adds_up_to_the_whole_message(
 def test_named_events_carry_their_type() -> None:
     assert ANTHROPIC_EVENTS.chunk(a.MessageStop()) == 'event: message_stop\ndata: {"type":"message_stop"}\n\n'
     assert ANTHROPIC_EVENTS.done == ""
+
+
+@pytest.mark.parametrize("thinks", [True, False])
+def test_thinking_comes_first_as_its_own_block_when_the_request_enables_it(thinks: bool) -> None:
+    pieces = ["<th", "ink>\nLet me", " see.</th", "ink>\n\nSure.", "\n", CALL, "\n"]
+    body = request(tools=[WEATHER])
+    chat = body.to_chat()
+    message = AnthropicMessage("msg_1", "smol", chat, HERMES, starts_in_reasoning=False, thinks=thinks)
+    events = stream(message, FakeGeneration(pieces, "stop", 2))
+    for event in events:
+        if event.type != "ping":
+            TypeAdapter(RawMessageStreamEvent).validate_python(event.model_dump())
+    generation = FakeGeneration(pieces, "stop", 2)
+    whole = message.response([generation.final()], generation.usage())
+    added = add_up(events)
+    assert [block["type"] for block in added["content"]] == [block.type for block in whole.content]
+    thinking = [{"type": "thinking", "thinking": "Let me see.", "signature": ""}] if thinks else []
+    assert [block.model_dump() for block in whole.content][: len(thinking) + 1] == [
+        *thinking,
+        {"type": "text", "text": "Sure.\n"},
+    ]
+    assert added["content"][: len(thinking) + 1] == [*thinking, {"type": "text", "text": "Sure.\n"}]
+    assert whole.content[-1].type == "tool_use" and whole.stop_reason == "tool_use"
+    Message.model_validate(whole.model_dump())

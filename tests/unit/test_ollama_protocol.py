@@ -148,14 +148,16 @@ def test_model_is_required_and_the_body_an_object() -> None:
 
 
 def test_unsupported_fields_are_refused() -> None:
-    with pytest.raises(InvalidRequestError, match="think"):
-        chat(think=True).check()
+    with pytest.raises(InvalidRequestError, match="--reasoning-parser"):
+        chat(think=True).check(splits_thinking=False)
+    chat(think=True).check(splits_thinking=True)
+    chat(think=False).check(splits_thinking=False)  # not thinking needs no parser
     with pytest.raises(InvalidRequestError) as info:
         chat(messages=[{"role": "user", "content": "x", "images": ["aGk="]}]).to_openai()
     assert info.value.param == "messages[0].images"
     generate = o.parse(o.GenerateRequest, {"model": "smol", "prompt": "x", "raw": True, "system": "s"})
     with pytest.raises(InvalidRequestError) as info:
-        generate.check()
+        generate.check(splits_thinking=False)
     assert info.value.param == "system"
 
 

@@ -488,6 +488,23 @@ def test_chat_response_splits_tool_calls_out_of_the_text() -> None:
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
 
 
+def test_chat_response_splits_the_reasoning_off_before_the_tool_calls() -> None:
+    tool = {"type": "function", "function": {"name": "f"}}
+    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    # A call written while thinking is part of the thought, not a call.
+    text = f"I could write {call} here.\n</think>\n\n{call}"
+    output = finished([CompletionOutput(0, text, [1], "stop")])
+    body = chat(tools=[tool])
+    completion = ChatCompletion("chatcmpl-1", "m", body, HERMES, decode, starts_in_reasoning=True)
+    [choice] = completion.response([output], USAGE).choices
+    assert choice.message.reasoning_content == f"I could write {call} here."
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in choice.message.tool_calls or []] == ["f"]
+    # Without a reasoning parser (None), the same text is left whole.
+    [choice] = chat_response(chat(), output).choices
+    assert (choice.message.content, choice.message.reasoning_content) == (text, None)
+
+
 def test_completion_response_from_the_finished_outputs() -> None:
     """Each prompt's choices in order, prompt * n + index; with echo and logprobs the prompt's
     tokens come first and the text offsets run through the whole text."""

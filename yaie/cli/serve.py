@@ -19,6 +19,7 @@ from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.engine import Engine
 from yaie.server.app import ServerLimits, build_app
 from yaie.server.connections import http_protocol
+from yaie.server.reasoning import REASONING_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -64,6 +65,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(vLLM's default is the whole rest of the context)",
     )
     env.add(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split chat answers of a model that thinks in <think> tags into reasoning_content and "
+        "content (vLLM's: deepseek_r1 when the output starts in thought, qwen3 when the template opens it)",
+    )
+    env.add(
         "--timeout-keep-alive",
         type=positive_int,
         default=5,
@@ -93,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # the model's generation_config.json is read here: a bad one stops the start
         app = build_app(
             async_engine, name, api_key=args.api_key, limits=limits,
-            generation_config_source=config.generation_config,
+            generation_config_source=config.generation_config, reasoning_parser=args.reasoning_parser,
         )  # fmt: skip
     except BaseException:
         async_engine.shutdown()

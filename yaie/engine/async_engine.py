@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -251,10 +251,15 @@ class AsyncEngine:
         return await self._off_thread(lambda: self._input_processor.encode(text))
 
     async def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the model's chat template (InputProcessor.encode_chat)."""
-        return await self._off_thread(lambda: self._input_processor.encode_chat(messages, tools))
+        return await self._off_thread(
+            lambda: self._input_processor.encode_chat(messages, tools, chat_template_kwargs)
+        )
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._off_thread(lambda: self._input_processor.decode(token_ids))

@@ -11,7 +11,7 @@ them on its tokenizer threads (yaie/engine/async_engine.py) and hands the engine
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,15 @@ from yaie.sampling_params import SamplingParams
 from yaie.structured.backend import Grammar, GrammarCompiler
 from yaie.structured.spec import StructuredOutputs
 from yaie.structured.tools import hermes_messages, template_knows_tools
+
+# apply_chat_template's own parameters and the variables encode_chat gives the template: a
+# request's chat_template_kwargs may not set them (they would change what the call returns).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "raise_exception", "strftime_now",  # the functions transformers gives templates
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -61,20 +70,29 @@ class InputProcessor:
         return str(self.tokenizer.decode(token_ids))
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the model's own chat template, ready to answer.
         `tools` (OpenAI tool definitions) go to a template that renders them; for one that does
         not, they, the calls and the tool results are written in the Hermes style
-        (yaie/structured/tools.py)."""
+        (yaie/structured/tools.py). `chat_template_kwargs` are more variables for the template
+        (vLLM's request field: `enable_thinking` for Qwen3's), none of them one it is given here."""
+        reserved = RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs or {})
+        if reserved:
+            param = "chat_template_kwargs"
+            names = ", ".join(sorted(reserved))
+            raise InvalidRequestError(f"{param}: {names} cannot be set here (the server sets it)", param)
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequestError("this model has no chat template; use a plain prompt", "messages")
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(chat_template_kwargs or {})
         if template_knows_tools(template):
-            extra = {"tools": tools} if tools else {}
+            extra |= {"tools": tools} if tools else {}
         elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = hermes_messages(messages, tools)
         try:
@@ -83,6 +101,12 @@ class InputProcessor:
             )
         except TemplateError as exc:  # templates raise on conversations they do not accept
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
+        except (TypeError, ValueError, AttributeError) as exc:
+            if not chat_template_kwargs:
+                raise
+            # A variable of a type the template cannot use ("enable_thinking": [1]) is the request's fault.
+            param = "chat_template_kwargs"
+            raise InvalidRequestError(f"{param}: the chat template failed on them: {exc}", param) from exc
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def compile_grammar(self, spec: StructuredOutputs) -> Grammar:

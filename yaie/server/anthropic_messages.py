@@ -1,11 +1,13 @@
 """/v1/messages' responses (Anthropic's Messages API): the stream of events, or the whole message.
 
 Both are built by one `ContentBlocks`, fed the choice's text split into content and tool calls
-by the model's tool format, so the streamed message adds up to the whole one: a text block for
-the text (whitespace alone, as around calls, is no block), a `tool_use` block per call. The
-stream is Anthropic's order: message_start, ping, then per block content_block_start, its
-deltas (text_delta, or the call's input as one input_json_delta) and content_block_stop, then
-message_delta (stop_reason, output tokens) and message_stop.
+by the model's tool format, so the streamed message adds up to the whole one: a `thinking` block
+first for the reasoning (with a reasoning parser, when the request enables thinking:
+reasoning.py), a text block for the text (whitespace alone, as around calls, is no block), a
+`tool_use` block per call. The stream is Anthropic's order: message_start, ping, then per block
+content_block_start, its deltas (thinking_delta, text_delta, or the call's input as one
+input_json_delta) and content_block_stop, then message_delta (stop_reason, output tokens) and
+message_stop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from yaie.outputs import CompletionOutput, RequestOutput
 from yaie.server import anthropic_protocol as a
 from yaie.server import protocol as p
 from yaie.server.errors import ANTHROPIC_PATHS, APIError
+from yaie.server.reasoning import ReasoningSplitter, Split
 from yaie.server.streaming import EventFormat, Generation
 from yaie.structured.tool_formats import ToolCallSplitter, ToolFormat
 from yaie.structured.tools import Event
@@ -44,7 +47,24 @@ class ContentBlocks:
     def __init__(self) -> None:
         self.blocks: list[a.Content] = []
         self._text_open = False  # the last block is text, and more may come
+        self._thinking_open = False  # the last block is thinking, and more may come
         self._space = ""  # whitespace held back until text follows it (none does around calls)
+
+    def think(self, thinking: str) -> list[a.StreamEvent]:
+        """Reasoning, which comes before any other block."""
+        if not thinking:
+            return []
+        out: list[a.StreamEvent] = []
+        if not self._thinking_open:
+            self._thinking_open = True
+            self.blocks.append(a.ThinkingContent(thinking=""))
+            empty = a.ThinkingContent(thinking="")
+            out.append(a.ContentBlockStart(index=len(self.blocks) - 1, content_block=empty))
+        block = self.blocks[-1]
+        assert isinstance(block, a.ThinkingContent)
+        block.thinking += thinking
+        delta = {"type": "thinking_delta", "thinking": thinking}
+        return [*out, a.ContentBlockDelta(index=len(self.blocks) - 1, delta=delta)]
 
     def add(self, events: Sequence[Event]) -> list[a.StreamEvent]:
         out: list[a.StreamEvent] = []
@@ -70,7 +90,7 @@ class ContentBlocks:
         if not self._text_open and not text.strip():
             self._space += text
             return []
-        out: list[a.StreamEvent] = []
+        out = self.close() if self._thinking_open else []  # text follows the thinking
         if not self._text_open:
             self._text_open = True
             self.blocks.append(a.TextContent(text=""))
@@ -85,10 +105,10 @@ class ContentBlocks:
         return out
 
     def close(self) -> list[a.StreamEvent]:
-        """End the open text block, if any."""
-        if not self._text_open:
+        """End the open text or thinking block, if any."""
+        if not (self._text_open or self._thinking_open):
             return []
-        self._text_open = False
+        self._text_open = self._thinking_open = False
         return [a.ContentBlockStop(index=len(self.blocks) - 1)]
 
 
@@ -109,15 +129,40 @@ class AnthropicMessage:
     """The response to one Messages request (one choice: the API has no `n`)."""
 
     def __init__(
-        self, message_id: str, model: str, chat: p.ChatCompletionRequest, tool_format: ToolFormat
+        self,
+        message_id: str,
+        model: str,
+        chat: p.ChatCompletionRequest,
+        tool_format: ToolFormat,
+        starts_in_reasoning: bool | None = None,
+        thinks: bool = False,
     ) -> None:
         self.message_id = message_id
         self.model = model
         self.chat = chat  # the request, as the chat completion request it became
         self.tool_format = tool_format
+        self.starts_in_reasoning = starts_in_reasoning  # None: no reasoning parser, no split
+        # The request enabled thinking: the reasoning is its blocks. Otherwise it is left out,
+        # as Anthropic's models show no thinking unless asked.
+        self.thinks = thinks
 
     def _parser(self) -> ToolCallSplitter | None:
         return self.tool_format.parser(self.chat.tool_names) if self.chat.calls_tools else None
+
+    def _splitter(self) -> ReasoningSplitter | None:
+        in_reasoning = self.starts_in_reasoning
+        return None if in_reasoning is None else ReasoningSplitter(in_reasoning)
+
+    def _add(
+        self, blocks: ContentBlocks, splitter: ReasoningSplitter | None, parser: ToolCallSplitter | None,
+        text: str, finished: bool,
+    ) -> list[a.StreamEvent]:  # fmt: skip
+        """`text`, new output, into `blocks`: its reasoning, its content and calls."""
+        split = Split(content=text)
+        if splitter is not None:
+            split = splitter.feed(text) + (splitter.finish() if finished else Split())
+        thinking = blocks.think(split.reasoning) if self.thinks else []
+        return thinking + blocks.add(self._events(parser, split.content, finished))
 
     def _events(self, parser: ToolCallSplitter | None, text: str, finished: bool) -> list[Event]:
         if parser is None:
@@ -138,16 +183,15 @@ class AnthropicMessage:
 
     async def events(self, generation: Generation) -> AsyncGenerator[a.StreamEvent, None]:
         """The stream. message_start waits for the first output, which tells the cached tokens."""
-        parser, blocks = self._parser(), ContentBlocks()
+        parser, splitter, blocks = self._parser(), self._splitter(), ContentBlocks()
         async with contextlib.aclosing(generation.updates()) as updates:
             async for update in updates:
                 if update.first:
                     yield a.MessageStart(message=self._message([], generation.usage()))
                     yield a.Ping()
                 choice = update.choice
-                for event in blocks.add(
-                    self._events(parser, choice.delta_text, update.finish_reason is not None)
-                ):
+                finished = update.finish_reason is not None
+                for event in self._add(blocks, splitter, parser, choice.delta_text, finished):
                     yield event
                 if update.finish_reason is not None:
                     for event in blocks.close():
@@ -165,6 +209,6 @@ class AnthropicMessage:
         [final] = finals
         [choice] = final.outputs
         parser, blocks = self._parser(), ContentBlocks()
-        blocks.add(self._events(parser, choice.text, finished=True))
+        self._add(blocks, self._splitter(), parser, choice.text, finished=True)
         blocks.close()
         return self._message(blocks.blocks, usage, stop_reason(choice, parser))

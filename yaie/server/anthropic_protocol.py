@@ -8,6 +8,9 @@ the SamplingParams and a required call's grammar come from the one chat path (pr
 
 Content the served model cannot read (images, documents) and server-side tools are refused, as
 is a final assistant turn (Anthropic's "prefill"): the chat template always opens a new turn.
+`thinking` becomes the template's `enable_thinking` (off unless enabled, as Anthropic's models
+think only when asked); thinking blocks sent back in the history are dropped, as the thinking
+models' own templates drop earlier turns' reasoning.
 """
 
 from __future__ import annotations
@@ -58,14 +61,20 @@ class ToolResultBlock(AnthropicModel):
         return self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content)
 
 
+class ThinkingBlock(AnthropicModel):
+    """An earlier answer's thinking, as a client sends it back: not shown to the model again."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
 class UnreadableBlock(AnthropicModel):
     """Content this text-only server cannot pass to its model: refused by name."""
 
-    type: Literal["image", "document", "thinking", "redacted_thinking", "search_result"]
+    type: Literal["image", "document", "search_result"]
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | UnreadableBlock, Field(discriminator="type")
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnreadableBlock, Field(discriminator="type")
 ]
 
 
@@ -73,7 +82,7 @@ class Message(AnthropicModel):
     role: Literal["user", "assistant"]
     content: p.Text | list[ContentBlock]
 
-    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock | UnreadableBlock]:
+    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnreadableBlock]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
@@ -95,6 +104,11 @@ class Metadata(AnthropicModel):
     user_id: p.Text | None = None  # accepted and ignored
 
 
+class Thinking(AnthropicModel):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)  # accepted: max_tokens bounds the whole answer
+
+
 class CountTokensRequest(AnthropicModel):
     """What a prompt is made of: count_tokens' whole body, and the start of a Messages request."""
 
@@ -103,6 +117,12 @@ class CountTokensRequest(AnthropicModel):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the request asks the model to think (and to see its thinking)."""
+        return self.thinking is not None and self.thinking.type == "enabled"
 
     def chat_request(self, **sampling: Any) -> p.ChatCompletionRequest:
         """The chat completion request that says the same, with `sampling`'s fields."""
@@ -121,8 +141,9 @@ class CountTokensRequest(AnthropicModel):
                 for tool in self.tools
             ]
         return p.ChatCompletionRequest(
-            model=self.model, messages=messages, tools=tools, tool_choice=self._tool_choice(), **sampling
-        )
+            model=self.model, messages=messages, tools=tools, tool_choice=self._tool_choice(),
+            chat_template_kwargs={"enable_thinking": self.thinks}, **sampling,
+        )  # fmt: skip
 
     def _tool_choice(self) -> Literal["none", "auto", "required"] | p.NamedToolChoice | None:
         choice = self.tool_choice
@@ -237,8 +258,8 @@ R = TypeVar("R", bound="CountTokensRequest")
 
 # Every model a request body is made of, for naming a bad field (p.describe_validation_error).
 _REQUESTS: tuple[type[BaseModel], ...] = (
-    MessagesRequest, TextBlock, ToolUseBlock, ToolResultBlock, UnreadableBlock, Message, Tool,
-    ToolChoice, Metadata,
+    MessagesRequest, TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, UnreadableBlock, Message,
+    Tool, ToolChoice, Metadata, Thinking,
 )  # fmt: skip
 FIELD_NAMES = p.field_names(_REQUESTS)
 
@@ -266,7 +287,13 @@ class ToolUseContent(BaseModel):
     input: dict[str, Any]
 
 
-Content = TextContent | ToolUseContent
+class ThinkingContent(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # Anthropic's proof of its own thinking; this server signs nothing
+
+
+Content = ThinkingContent | TextContent | ToolUseContent
 
 
 class Usage(BaseModel):
@@ -322,7 +349,8 @@ class Ping(BaseModel):
 class ContentBlockDelta(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    # {"type": "text_delta", "text": ...} or {"type": "input_json_delta", "partial_json": ...}
+    # {"type": "text_delta", "text": ...}, {"type": "thinking_delta", "thinking": ...} or
+    # {"type": "input_json_delta", "partial_json": ...}
     delta: dict[str, str]
 
 

@@ -43,6 +43,7 @@ from yaie.server.errors import APIError, add_error_handlers, model_not_found
 from yaie.server.metrics import RequestTracker, ServerMetrics
 from yaie.server.middleware import LimitRequestBytes, RequireAPIKey
 from yaie.server.ollama import OllamaAPI
+from yaie.server.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser
 from yaie.server.responses import ResponseBuilder, ResponseStore
 from yaie.server.streaming import OPENAI_EVENTS, Generation, event_stream
 from yaie.server.web import PAGE_PATHS, web_router
@@ -80,8 +81,10 @@ class OpenAIServer:
         served_model_name: str,
         limits: ServerLimits,
         defaults: generation_config.GenerationDefaults,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.engine = async_engine
+        self.reasoning_parser = reasoning_parser
         self.model_name = served_model_name
         self.limits = limits
         self.defaults = defaults
@@ -90,6 +93,10 @@ class OpenAIServer:
         self.metrics = ServerMetrics(async_engine.stats)
         self.max_prompt_chars = async_engine.max_model_len * MAX_CHARS_PER_TOKEN
         self.responses = ResponseStore()  # what /v1/responses stores, for previous_response_id
+        # One card, made at start: `created` is when the model was loaded, the same on every call.
+        self.model_card = p.ModelCard(
+            id=served_model_name, root=str(async_engine.model_path), max_model_len=async_engine.max_model_len
+        )
 
     def _check_chars(self, texts: Sequence[str], param: str) -> None:
         if sum(len(text) for text in texts) > self.max_prompt_chars:
@@ -125,6 +132,14 @@ class OpenAIServer:
         # A prompt that leaves no room is the engine's error to report, so give it something.
         return dataclasses.replace(params, max_tokens=max(1, min(limit, room)))
 
+    def starts_in_reasoning(self, prompt: list[int], params: SamplingParams) -> bool | None:
+        """Whether the output to `prompt` starts in reasoning (reasoning.py); None without a
+        reasoning parser, when the output is not split."""
+        if self.reasoning_parser is None:
+            return None
+        tail = self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:])
+        return self.reasoning_parser.starts_in_reasoning(tail, params.structured_outputs is not None)
+
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])  # type: ignore[no-any-return]
 
@@ -151,9 +166,12 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         messages = body.template_messages()
         self._check_chars([message["content"] for message in messages], "messages")
-        prompt = await self.engine.encode_chat(messages, body.tool_definitions)
+        prompt = await self.engine.encode_chat(messages, body.tool_definitions, body.chat_template_kwargs)
         generation = await self._start(request, body, params, [(request_id, prompt)])
-        completion = ChatCompletion(request_id, self.model_name, body, self.tool_format, self._decode_token)
+        completion = ChatCompletion(
+            request_id, self.model_name, body, self.tool_format, self._decode_token,
+            self.starts_in_reasoning(prompt, params),
+        )  # fmt: skip
         if body.stream:
             return event_stream(completion.chunks(generation), OPENAI_EVENTS)
         finals = await generation.final_outputs()
@@ -231,7 +249,10 @@ class OpenAIServer:
             generation = await self._start(request, chat, params, [(message_id, prompt)])
         except InvalidRequestError as exc:
             raise anthropic.translate_error(exc) from exc
-        message = AnthropicMessage(message_id, self.model_name, chat, self.tool_format)
+        message = AnthropicMessage(
+            message_id, self.model_name, chat, self.tool_format, self.starts_in_reasoning(prompt, params),
+            body.thinks,
+        )  # fmt: skip
         if body.stream:
             return event_stream(message.events(generation), ANTHROPIC_EVENTS)
         finals = await generation.final_outputs()
@@ -247,15 +268,15 @@ class OpenAIServer:
     async def _encode_chat(self, chat: p.ChatCompletionRequest) -> list[int]:
         messages = chat.template_messages()
         self._check_chars([message["content"] for message in messages], "messages")
-        return await self.engine.encode_chat(messages, chat.tool_definitions)
+        return await self.engine.encode_chat(messages, chat.tool_definitions, chat.chat_template_kwargs)
 
     async def models(self) -> Response:
-        card = p.ModelCard(
-            id=self.model_name,
-            root=str(self.engine.model_path),
-            max_model_len=self.engine.max_model_len,
-        )
-        return _json(p.ModelList(data=[card]))
+        return _json(p.ModelList(data=[self.model_card]))
+
+    async def model(self, model_id: str) -> Response:
+        """The served model's card, as /v1/models lists it; any other id is not found."""
+        self._check_model(model_id)
+        return _json(self.model_card)
 
     async def tokenize(self, body: p.TokenizeRequest) -> Response:
         self._check_model(body.model)
@@ -265,7 +286,7 @@ class OpenAIServer:
         elif body.messages is not None and body.prompt is None:
             messages = [message.to_template() for message in body.messages]
             self._check_chars([message["content"] for message in messages], "messages")
-            tokens = await self.engine.encode_chat(messages)
+            tokens = await self.engine.encode_chat(messages, chat_template_kwargs=body.chat_template_kwargs)
         else:
             raise InvalidRequestError("prompt: give either prompt or messages", "prompt")
         return _json(
@@ -305,11 +326,14 @@ def build_app(
     api_key: str | None = None,
     limits: ServerLimits = ServerLimits(),
     generation_config_source: str = "auto",
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The API for `async_engine`, which the caller starts and shuts down.
 
     `generation_config_source` is EngineConfig.generation_config: "auto" applies the model's
     generation_config.json defaults to requests that leave them out, "vllm" ignores the file.
+    `reasoning_parser` (vLLM's `--reasoning-parser`: "deepseek_r1" or "qwen3") splits chat answers
+    into reasoning and content (reasoning.py); None leaves them whole.
     """
     if generation_config_source not in GENERATION_CONFIGS:
         choices = ", ".join(GENERATION_CONFIGS)
@@ -318,11 +342,14 @@ def build_app(
     if generation_config_source == "auto":
         defaults = generation_config.load(Path(async_engine.model_path))
     logger.info("default sampling parameters: %s", defaults.describe())
-    server = OpenAIServer(async_engine, served_model_name, limits, defaults)
+    parser = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
+    server = OpenAIServer(async_engine, served_model_name, limits, defaults, parser)
     app = FastAPI(title="yaie", version=yaie.__version__)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    # ":path": a served name may hold slashes (Qwen/Qwen3-0.6B), as the client sends it unescaped.
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
     app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])

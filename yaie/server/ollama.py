@@ -32,6 +32,7 @@ from yaie.errors import InvalidRequestError
 from yaie.sampling_params import SamplingParams
 from yaie.server import ollama_protocol as o
 from yaie.server.errors import APIError, ClientDisconnected, api_error
+from yaie.server.reasoning import ReasoningSplitter, Split
 from yaie.server.streaming import Generation, Update
 from yaie.structured import tools
 from yaie.structured.tool_formats import ToolCallSplitter
@@ -48,53 +49,70 @@ WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 class OllamaReply:
     """The reply to one chat or generate request: NDJSON chunks, or the whole of it."""
 
-    def __init__(self, model: str, chat: bool, parser: ToolCallSplitter | None, arrival_ns: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        chat: bool,
+        parser: ToolCallSplitter | None,
+        arrival_ns: int,
+        splitter: ReasoningSplitter | None = None,
+        shows_thinking: bool = False,
+    ) -> None:
         self.model = model  # as the request named it, as Ollama echoes it
         self.chat = chat  # chat replies carry `message`, generate replies `response`
         self.parser = parser  # with tools, splits the calls out of the text
+        self.splitter = splitter  # with a reasoning parser, splits the reasoning off first
+        self.shows_thinking = shows_thinking  # the reasoning is sent (`think` not false)
         self.arrival_ns = arrival_ns
         self.first_token_ns: int | None = None
 
     async def _pieces(
         self, generation: Generation
-    ) -> AsyncGenerator[tuple[str, list[ToolCall], Update], None]:
-        """(new content, new calls, the update) as the tokens come."""
+    ) -> AsyncGenerator[tuple[str, str, list[ToolCall], Update], None]:
+        """(new thinking, new content, new calls, the update) as the tokens come."""
         async with contextlib.aclosing(generation.updates()) as updates:
             async for update in updates:
                 choice = update.choice
+                finished = update.finish_reason is not None
                 if self.first_token_ns is None and choice.token_ids:
                     self.first_token_ns = time.perf_counter_ns()
-                content, calls = choice.delta_text, []
+                split = Split(content=choice.delta_text)
+                if self.splitter is not None:
+                    split = self.splitter.feed(choice.delta_text)
+                    split += self.splitter.finish() if finished else Split()
+                content, calls = split.content, []
                 if self.parser is not None:
-                    events = self.parser.feed(choice.delta_text)
-                    if update.finish_reason is not None:
+                    events = self.parser.feed(split.content)
+                    if finished:
                         events += self.parser.finish()
                     content = "".join(value for kind, value in events if kind == "content")
                     calls = [value for kind, value in events if kind == "call"]
-                yield content, calls, update
+                yield split.reasoning if self.shows_thinking else "", content, calls, update
 
     async def chunks(self, generation: Generation) -> AsyncGenerator[o.Chunk, None]:
-        """Each piece of content or call as it comes, then the last chunk with the counts."""
+        """Each piece of thinking, content or call as it comes, then the last chunk with the counts."""
         async with contextlib.aclosing(self._pieces(generation)) as pieces:
-            async for content, calls, update in pieces:
-                if content or calls:
-                    yield self._chunk(content, calls)
+            async for thinking, content, calls, update in pieces:
+                if thinking or content or calls:
+                    yield self._chunk(content, calls, thinking)
                 if update.finish_reason is not None:
-                    yield self._final(update, "", [])
+                    yield self._final(update, "", [], "")
 
     async def whole(self, generation: Generation) -> o.Chunk:
+        thoughts: list[str] = []
         contents: list[str] = []
         all_calls: list[ToolCall] = []
         last: Update | None = None
         async with contextlib.aclosing(self._pieces(generation)) as pieces:
-            async for content, calls, update in pieces:
+            async for thinking, content, calls, update in pieces:
+                thoughts.append(thinking)
                 contents.append(content)
                 all_calls += calls
                 last = update
         assert last is not None and last.finish_reason is not None, "a request ends with its finish"
-        return self._final(last, "".join(contents), all_calls)
+        return self._final(last, "".join(contents), all_calls, "".join(thoughts))
 
-    def _chunk(self, content: str, calls: list[ToolCall], **final: Any) -> o.Chunk:
+    def _chunk(self, content: str, calls: list[ToolCall], thinking: str, **final: Any) -> o.Chunk:
         message, response = None, None
         if self.chat:
             tool_calls = [
@@ -103,21 +121,21 @@ class OllamaReply:
                 )
                 for call in calls
             ]
-            message = o.MessageOut(content=content, tool_calls=tool_calls or None)
+            message = o.MessageOut(content=content, thinking=thinking or None, tool_calls=tool_calls or None)
         else:
             response = content
         return o.Chunk(
             model=self.model, created_at=o.timestamp(), message=message, response=response,
-            done=bool(final), **final,
+            thinking=None if self.chat or not thinking else thinking, done=bool(final), **final,
         )  # fmt: skip
 
-    def _final(self, update: Update, content: str, calls: list[ToolCall]) -> o.Chunk:
+    def _final(self, update: Update, content: str, calls: list[ToolCall], thinking: str) -> o.Chunk:
         end = time.perf_counter_ns()
         first = self.first_token_ns or end
         output, choice = update.output, update.choice
         context = None if self.chat else output.prompt_token_ids + choice.token_ids
         return self._chunk(
-            content, calls, done_reason=update.finish_reason, context=context,
+            content, calls, thinking, done_reason=update.finish_reason, context=context,
             total_duration=end - self.arrival_ns, load_duration=0,
             prompt_eval_count=len(output.prompt_token_ids), prompt_eval_duration=first - self.arrival_ns,
             eval_count=len(choice.token_ids), eval_duration=end - first,
@@ -211,6 +229,15 @@ class OllamaAPI:
         )  # fmt: skip
         return _json(chunk)
 
+    def _reasoning(
+        self, body: o.GenerationRequest, prompt: list[int], params: SamplingParams
+    ) -> tuple[ReasoningSplitter | None, bool]:
+        """The reply's reasoning splitter (None without a reasoning parser), and whether its
+        thinking is shown: unless `think` is false, as Ollama shows a thinking model's thoughts."""
+        in_reasoning = self.server.starts_in_reasoning(prompt, params)
+        splitter = None if in_reasoning is None else ReasoningSplitter(in_reasoning)
+        return splitter, body.thinks is not False
+
     async def chat(self, request: Request) -> Response:
         return await self._answer(lambda: self._chat(request))
 
@@ -218,7 +245,7 @@ class OllamaAPI:
         arrival = time.perf_counter_ns()
         body: o.ChatRequest = o.parse(o.ChatRequest, await _body(request))
         self._check_model(body.model)
-        body.check()
+        body.check(splits_thinking=self.server.reasoning_parser is not None)
         if not body.messages:
             return self._loaded(body, chat=True)
         chat = body.to_openai()
@@ -226,11 +253,11 @@ class OllamaAPI:
         params = chat.to_sampling_params(server.tool_format, server.defaults.sampling)
         messages = chat.template_messages()
         server._check_chars([message["content"] for message in messages], "messages")
-        prompt = await self.engine.encode_chat(messages, chat.tool_definitions)
+        prompt = await self.engine.encode_chat(messages, chat.tool_definitions, chat.chat_template_kwargs)
         params = self._fill_context(body, params, prompt)
         generation = await server._start(request, chat, params, [(f"ollama-chat-{uuid.uuid4().hex}", prompt)])
         parser = server.tool_format.parser(chat.tool_names) if chat.calls_tools else None
-        reply = OllamaReply(body.model, True, parser, arrival)
+        reply = OllamaReply(body.model, True, parser, arrival, *self._reasoning(body, prompt, params))
         if body.streams:
             return ndjson(reply.chunks(generation))
         return _json(await reply.whole(generation))
@@ -242,7 +269,7 @@ class OllamaAPI:
         arrival = time.perf_counter_ns()
         body: o.GenerateRequest = o.parse(o.GenerateRequest, await _body(request))
         self._check_model(body.model)
-        body.check()
+        body.check(splits_thinking=self.server.reasoning_parser is not None)
         if not body.prompt and body.system is None and body.template is None:
             return self._loaded(body, chat=False)
         server = self.server
@@ -255,7 +282,7 @@ class OllamaAPI:
             messages = [{"role": "system", "content": body.system}] if body.system is not None else []
             messages.append({"role": "user", "content": body.prompt})
             server._check_chars([message["content"] for message in messages], "prompt")
-            prompt = await self.engine.encode_chat(messages)
+            prompt = await self.engine.encode_chat(messages, chat_template_kwargs=body.template_kwargs)
         if body.context:
             vocab_size = self.engine.vocab_size
             if not 0 <= min(body.context) <= max(body.context) < vocab_size:
@@ -266,7 +293,7 @@ class OllamaAPI:
         generation = await server._start(
             request, completion, params, [(f"ollama-generate-{uuid.uuid4().hex}", prompt)]
         )
-        reply = OllamaReply(body.model, False, None, arrival)
+        reply = OllamaReply(body.model, False, None, arrival, *self._reasoning(body, prompt, params))
         if body.streams:
             return ndjson(reply.chunks(generation))
         return _json(await reply.whole(generation))

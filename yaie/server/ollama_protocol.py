@@ -6,7 +6,9 @@ no meaning here (num_ctx, num_thread, mirostat, ...); the ones that map are stri
 types. The mapped options and their OpenAI names: temperature, top_p, top_k, min_p, seed (a
 negative seed is Ollama's "random"), stop, num_predict -> max_tokens (a negative count is Ollama's
 "no limit": the rest of the context), repeat_penalty -> repetition_penalty, presence_penalty,
-frequency_penalty. `format` "json" is a JSON object, a schema is that schema.
+frequency_penalty. `format` "json" is a JSON object, a schema is that schema. `think` is the
+chat template's `enable_thinking`, and asks for the reasoning in `thinking` (from a server with a
+reasoning parser: reasoning.py); Ollama's levels ("low", "medium", "high") are `true`.
 """
 
 from __future__ import annotations
@@ -111,9 +113,20 @@ class GenerationRequest(OllamaModel):
     def streams(self) -> bool:
         return self.stream is not False
 
-    def check(self) -> None:
-        if self.think not in (None, False):
-            raise InvalidRequestError("think: this server does not split out thinking", "think")
+    @property
+    def thinks(self) -> bool | None:
+        """Whether the request asks the model to think; None: the model's default."""
+        return None if self.think is None else self.think is not False
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return None if self.thinks is None else {"enable_thinking": self.thinks}
+
+    def check(self, splits_thinking: bool) -> None:
+        """`splits_thinking`: whether the server has a reasoning parser, which `think` needs."""
+        if self.thinks and not splits_thinking:
+            message = "think: this server splits out no thinking (serve with --reasoning-parser)"
+            raise InvalidRequestError(message, "think")
         if self.logprobs:
             raise InvalidRequestError("logprobs: not supported by this server's Ollama API", "logprobs")
 
@@ -179,7 +192,10 @@ class ChatRequest(GenerationRequest):
             if message.role == "tool":
                 turn["tool_call_id"] = call_ids.pop(0) if call_ids else f"call_{i}"
             messages.append(turn)
-        body: dict[str, Any] = {"model": self.model, "messages": messages, **self.sampling_fields()}
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "chat_template_kwargs": self.template_kwargs,
+            **self.sampling_fields(),
+        }  # fmt: skip
         if self.tools:
             body["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         if self.tool_choice is not None:
@@ -197,8 +213,8 @@ class GenerateRequest(GenerationRequest):
     raw: bool = False  # the prompt as it is, through no template
     images: list[Text] | None = None
 
-    def check(self) -> None:
-        super().check()
+    def check(self, splits_thinking: bool) -> None:
+        super().check(splits_thinking)
         if self.suffix:
             raise InvalidRequestError("suffix: fill-in-the-middle is not supported", "suffix")
         if self.images:
@@ -300,6 +316,7 @@ class ToolCallOut(BaseModel):
 class MessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    thinking: str | None = None  # the reasoning before the content, when the request thinks
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -311,6 +328,7 @@ class Chunk(BaseModel):
     created_at: str
     message: MessageOut | None = None
     response: str | None = None
+    thinking: str | None = None  # generate's reasoning before `response`, when the request thinks
     done: bool
     done_reason: str | None = None
     context: list[int] | None = None

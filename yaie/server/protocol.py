@@ -309,6 +309,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: a required call is one call
+    # vLLM's: more variables for the chat template, e.g. {"enable_thinking": false} for Qwen3's
+    chat_template_kwargs: dict[Text, Any] | None = None
 
     def to_sampling_params(
         self, tool_format: ToolFormat = HERMES, defaults: Mapping[str, float | int] = NO_DEFAULTS
@@ -406,6 +408,7 @@ class TokenizeRequest(OpenAIModel):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None  # with messages, as in a chat request
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -468,6 +471,8 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the turn is only tool calls
+    # vLLM's: the text the model thought in before answering, with a --reasoning-parser
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -489,7 +494,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}, and {} with finish_reason.
+    # {"role": ...} first, then {"content": ...} (or {"reasoning_content": ...}, the reasoning
+    # before it) or {"tool_calls": [...]}, and {} with finish_reason.
     # A tool call comes as {"index", "id", "type", "function": {"name", "arguments": ""}}, then
     # {"index", "function": {"arguments": ...}} with its arguments.
     delta: dict[str, Any]
