@@ -188,5 +188,6 @@ def test_the_server_default_timeout_applies_to_requests_without_one(ranked: Serv
         model=MODEL, messages=STORY, options={"num_predict": LONG}
     )
     assert reply.done and reply.done_reason == "timeout"
-    state = ranked.http().get("/engine/state").json()
+    with ranked.http() as http:
+        state = http.get("/engine/state").json()
     assert state["config"]["scheduling_policy"] == "priority"

@@ -6,8 +6,8 @@ many tokens as the budget leaves (chunked prefill). Waiting sequences are then a
 head of the waiting queue while the budget, `max_num_seqs` and free KV blocks allow. When a
 running sequence needs a block and none is free, the prefix cache gives back unused blocks
 first; after that a running sequence is preempted: its blocks are freed and it waits to be
-recomputed from its prompt plus what it has generated so far. The sequence the policy ranks
-first therefore always makes progress, which is why this never deadlocks, and since the pool is
+recomputed from its prompt plus what it has generated so far. The running sequence the policy
+ranks first therefore always makes progress, which is why this never deadlocks, and since the pool is
 never asked for more than it has, it never runs out.
 
 The scheduling policy (vLLM's `scheduling_policy`) decides the two orders:

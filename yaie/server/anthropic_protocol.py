@@ -148,7 +148,7 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     # yaie's extensions, as on OpenAI's requests (protocol.Timeout)
-    priority: int = 0
+    priority: int | None = None  # None: 0
     timeout: p.Timeout | None = None
 
     def to_chat(self) -> p.ChatCompletionRequest:

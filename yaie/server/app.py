@@ -144,7 +144,7 @@ class OpenAIServer:
         timeout = body.timeout if body.timeout is not None else self.limits.request_timeout
         try:
             streams = await self.engine.add_requests(
-                requests, params, self.limits.max_waiting, priority=body.priority, timeout=timeout
+                requests, params, self.limits.max_waiting, priority=body.priority or 0, timeout=timeout
             )
         except InvalidRequestError as exc:
             raise body.translate_error(exc) from exc

@@ -107,7 +107,7 @@ class GenerationRequest(OllamaModel):
     think: bool | Text | None = None
     logprobs: bool | None = None
     # yaie's extensions, as on OpenAI's requests (protocol.Timeout); a timeout is done_reason "timeout"
-    priority: int = 0
+    priority: int | None = None  # None: 0
     timeout: p.Timeout | None = None
 
     @property

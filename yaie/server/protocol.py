@@ -208,7 +208,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    priority: int = 0  # see Timeout, above
+    priority: int | None = None  # None: 0; see Timeout, above
     # yaie's: None takes the server's --request-timeout (if any)
     timeout: Timeout | None = None
 

@@ -141,7 +141,7 @@ class ResponsesRequest(OpenAIModel):
     metadata: dict[Text, Text] | None = None
     user: Text | None = None  # accepted and ignored
     # vLLM's and yaie's extensions, as on chat completions (protocol.Timeout)
-    priority: int = 0
+    priority: int | None = None  # None: 0
     timeout: p.Timeout | None = None
 
     @classmethod
