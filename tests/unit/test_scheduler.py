@@ -10,7 +10,7 @@ from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
 from yaie.config import EngineConfig
 from yaie.engine.request import check_priority, deadline_after
-from yaie.engine.scheduler import Scheduler
+from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.errors import InvalidRequestError
 from yaie.sampling_params import SamplingParams
@@ -258,29 +258,35 @@ def test_a_more_urgent_arrival_is_admitted_first_but_preempts_no_one():
     assert run_step(s) == {"urgent": 4}
 
 
+def low_then_high(s: Scheduler) -> SchedulerOutput:
+    """"low" (priority 1) runs first; "high" (priority 0) arrives a step later; five blocks. The
+    plan of the step where "high", behind "low" in the batch, needs a block and none is free."""
+    low = Sequence("low", list(range(6)), SamplingParams(max_tokens=100), priority=1)
+    s.add(low)
+    run_step(s)
+    s.add(Sequence("high", list(range(50, 54)), SamplingParams(max_tokens=100), priority=0))
+    for _ in range(5):
+        run_step(s)
+    assert [seq.seq_id for seq in s.running] == ["low", "high"] and s.pool.num_free == 0
+    return s.schedule()
+
+
 def test_priority_preempts_the_least_urgent_sequence_even_one_planned_earlier_in_the_step():
     s = make_priority_scheduler(num_blocks=5)
-    s.add(ranked_seq("low", 8, priority=1))  # 2 blocks; admitted first, so planned first
-    s.add(ranked_seq("high", 7, priority=0, first_token=50))  # 2 blocks, one free slot
-    run_step(s)
-    run_step(s)  # low: 9 tokens -> its third block, the last free one
-    assert s.pool.num_free == 0
-    out = s.schedule()  # high (9 tokens) needs a block: low gives up its three
+    out = low_then_high(s)
     assert [p.seq_id for p in out.preempted] == ["low"]
     assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("high", 1)]
     assert out.num_batched_tokens == 1  # low's planned token was taken back out of the plan
     low = s.waiting[0]
     assert low.seq_id == "low" and low.block_table == [] and low.num_computed_tokens == 0
-    assert s.running[0].seq_id == "high" and s.pool.num_free == 2
+    assert [seq.seq_id for seq in s.running] == ["high"] and s.pool.num_free == 2
 
 
 def test_fcfs_preempts_the_newest_admitted_in_the_same_situation():
     s = make_scheduler(num_blocks=5)
-    s.add(Sequence("low", list(range(8)), SamplingParams(max_tokens=100), priority=1))
-    s.add(Sequence("high", list(range(50, 57)), SamplingParams(max_tokens=100), priority=0))
-    run_step(s)
-    run_step(s)
-    assert [p.seq_id for p in s.schedule().preempted] == ["high"]
+    out = low_then_high(s)
+    assert [p.seq_id for p in out.preempted] == ["high"]
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("low", 1)]
 
 
 def test_priority_ties_preempt_the_newest_arrival():
@@ -302,7 +308,7 @@ def test_a_preempted_sequence_waits_in_its_priority_place():
     run_step(s)
     s.add(ranked_seq("lower", 4, priority=2, first_token=90))
     s.add(ranked_seq("urgent", 4, priority=0, first_token=99))
-    s.schedule()  # low is preempted
+    assert [p.seq_id for p in s.schedule().preempted] == ["low"]
     assert [seq.seq_id for seq in s.waiting] == ["urgent", "low", "lower"]
 
 

@@ -50,14 +50,15 @@ def rank(policy: str, seq: Sequence) -> tuple[int, ...]:
     policy=st.sampled_from(["fcfs", "priority"]),
     requests=st.lists(arrivals, min_size=1, max_size=12),
     # One sequence alone always fits (a longest prompt plus max_tokens takes 6 blocks).
-    num_blocks=st.integers(6, 24),
+    num_blocks=st.integers(6, 16),
     budget=st.integers(1, 32),
     max_seqs=st.integers(1, 6),
 )
-# Long, urgent latecomers against a small pool: preemptions of sequences planned earlier in the step.
+# A more urgent latecomer needs a block when the pool is empty: the older, less urgent sequence,
+# already planned earlier in the step, is the victim and is taken back out of the plan.
 @example(
     policy="priority",
-    requests=[Arrival(0, 8, 2, 10, None), Arrival(0, 8, 1, 10, None), Arrival(1, 7, -2, 10, None)],
+    requests=[Arrival(0, 8, 2, 10, None), Arrival(1, 4, 1, 10, None), Arrival(1, 7, -2, 10, 30)],
     num_blocks=6,
     budget=32,
     max_seqs=6,
