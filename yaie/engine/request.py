@@ -67,7 +67,7 @@ def check_priority(priority: int, policy: str) -> None:
         raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", "priority")
     if priority != 0 and policy != "priority":
         raise InvalidRequestError(
-            f"priority: got {priority}, but priority scheduling is not enabled "
-            "(the engine runs with --scheduling-policy fcfs, where every request's priority is 0)",
+            f"priority: got {priority}, but priority scheduling is not enabled: under the fcfs policy "
+            "every request's priority is 0 (start the engine with --scheduling-policy priority)",
             "priority",
         )
