@@ -15,6 +15,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
 # max_new_tokens); vllm, the API's own defaults (temperature 1.0 ...), ignoring the model's.
 GENERATION_CONFIGS = ("auto", "vllm")
+# How the scheduler orders waiting sequences and picks preemption victims (vLLM's
+# --scheduling-policy; yaie/engine/scheduler.py): fcfs, arrival order, a request's priority must
+# be 0; priority, a request's `priority` first (lower first), then arrival.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -38,6 +42,7 @@ class EngineConfig:
     # see yaie.spec.config.SpeculativeConfig. None: off.
     speculative_config: dict[str, Any] | None = None
     generation_config: str = "auto"  # one of GENERATION_CONFIGS
+    scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -55,3 +60,6 @@ class EngineConfig:
         if self.generation_config not in GENERATION_CONFIGS:
             choices = ", ".join(GENERATION_CONFIGS)
             raise ValueError(f"generation_config must be one of {choices}; got {self.generation_config!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            choices = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(f"scheduling_policy must be one of {choices}; got {self.scheduling_policy!r}")

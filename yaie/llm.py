@@ -27,15 +27,30 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs come back in prompt order."""
+        """Run every prompt to completion, batched together; outputs come back in prompt order.
+        `priority`: one per prompt, as vLLM (lower first; needs scheduling_policy="priority").
+        `timeout`: seconds from this call after which an unfinished request ends with
+        finish_reason "timeout", keeping what it generated."""
         one = _is_one_prompt(prompts)
         batch = [cast(Prompt, prompts)] if one else cast("Sequence[Prompt]", prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(batch)
         if len(sampling_params) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(sampling_params)} sampling params")
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(batch, sampling_params, strict=True)]
+        priority = [0] * len(batch) if priority is None else priority
+        if len(priority) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(priority)} priorities")
+        ids: list[str] = []
+        try:
+            for prompt, params, rank in zip(batch, sampling_params, priority, strict=True):
+                ids.append(self.engine.add_request(None, prompt, params, priority=rank, timeout=timeout))
+        except BaseException:
+            for request_id in ids:  # all or none: leave the engine clean for the next call
+                self.engine.abort(request_id)
+            raise
         return self._run(ids)
 
     def chat(

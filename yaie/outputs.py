@@ -19,7 +19,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    # Once finished: "stop" | "length" | "abort" | "timeout" (the request's deadline passed).
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None
     # What this output adds to the previous one for the same request (for streaming).

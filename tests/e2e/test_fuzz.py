@@ -44,6 +44,8 @@ sampling = {
     "logprobs": junk,
     "min_tokens": ints,
     "stop_token_ids": st.one_of(st.none(), st.lists(st.integers(-2, 60_000), max_size=3)),
+    "priority": st.one_of(ints, junk),  # the shared server is fcfs: only 0 (or null) is accepted
+    "timeout": st.one_of(floats, junk),
     "junk": junk,
 }
 # max_tokens is always given and small, so that the accepted requests stay quick.

@@ -8,8 +8,11 @@ import pytest
 
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
-from yaie.engine.scheduler import Scheduler
+from yaie.config import EngineConfig
+from yaie.engine.request import check_priority, deadline_after
+from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import Sequence, SequenceStatus
+from yaie.errors import InvalidRequestError
 from yaie.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -210,3 +213,128 @@ def test_a_plan_holds_what_was_planned_whatever_happens_after():
     [decode] = s.schedule().scheduled
     facts = (decode.num_computed_tokens, decode.num_new_tokens, decode.samples, decode.decoding)
     assert facts == (10, 1, True, True)
+
+
+# -- the priority policy -------------------------------------------------------------------------
+
+
+def make_priority_scheduler(num_blocks: int = 64, max_seqs: int = 8, budget: int = 64) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks), BLOCK, max_seqs, budget, policy="priority")
+
+
+def ranked_seq(name: str, prompt_len: int, priority: int, first_token: int = 0) -> Sequence:
+    tokens = list(range(first_token, first_token + prompt_len))
+    return Sequence(name, tokens, SamplingParams(max_tokens=100), priority=priority)
+
+
+def test_priority_orders_the_waiting_queue_by_priority_then_arrival():
+    s = make_priority_scheduler(max_seqs=1)
+    for name, priority in [("a", 2), ("b", 0), ("c", 2), ("d", -1), ("e", 0)]:
+        s.add(ranked_seq(name, 4, priority))
+    assert [seq.seq_id for seq in s.waiting] == ["d", "b", "e", "a", "c"]
+    admitted = []
+    while s.has_unfinished():
+        [name] = run_step(s)
+        admitted.append(name)
+        s.finish(s.running[0], SequenceStatus.FINISHED_STOPPED)
+    assert admitted == ["d", "b", "e", "a", "c"]
+
+
+def test_fcfs_ignores_priority_order():
+    s = make_scheduler(max_seqs=1)
+    for name, priority in [("a", 2), ("b", 0)]:
+        s.add(Sequence(name, [1, 2, 3], SamplingParams(max_tokens=100), priority=priority))
+    assert [seq.seq_id for seq in s.waiting] == ["a", "b"]
+
+
+def test_a_more_urgent_arrival_is_admitted_first_but_preempts_no_one():
+    s = make_priority_scheduler(max_seqs=1)
+    s.add(ranked_seq("low", 4, priority=5))
+    run_step(s)
+    s.add(ranked_seq("later", 4, priority=1, first_token=20))
+    s.add(ranked_seq("urgent", 4, priority=0, first_token=40))
+    assert run_step(s) == {"low": 1}  # a running sequence keeps its place (as vLLM)
+    s.finish(s.running[0], SequenceStatus.FINISHED_STOPPED)
+    assert run_step(s) == {"urgent": 4}
+
+
+def low_then_high(s: Scheduler) -> SchedulerOutput:
+    """"low" (priority 1) runs first; "high" (priority 0) arrives a step later; five blocks. The
+    plan of the step where "high", behind "low" in the batch, needs a block and none is free."""
+    low = Sequence("low", list(range(6)), SamplingParams(max_tokens=100), priority=1)
+    s.add(low)
+    run_step(s)
+    s.add(Sequence("high", list(range(50, 54)), SamplingParams(max_tokens=100), priority=0))
+    for _ in range(5):
+        run_step(s)
+    assert [seq.seq_id for seq in s.running] == ["low", "high"] and s.pool.num_free == 0
+    return s.schedule()
+
+
+def test_priority_preempts_the_least_urgent_sequence_even_one_planned_earlier_in_the_step():
+    s = make_priority_scheduler(num_blocks=5)
+    out = low_then_high(s)
+    assert [p.seq_id for p in out.preempted] == ["low"]
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("high", 1)]
+    assert out.num_batched_tokens == 1  # low's planned token was taken back out of the plan
+    low = s.waiting[0]
+    assert low.seq_id == "low" and low.block_table == [] and low.num_computed_tokens == 0
+    assert [seq.seq_id for seq in s.running] == ["high"] and s.pool.num_free == 2
+
+
+def test_fcfs_preempts_the_newest_admitted_in_the_same_situation():
+    s = make_scheduler(num_blocks=5)
+    out = low_then_high(s)
+    assert [p.seq_id for p in out.preempted] == ["high"]
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("low", 1)]
+
+
+def test_priority_ties_preempt_the_newest_arrival():
+    s = make_priority_scheduler(num_blocks=5)
+    s.add(ranked_seq("old", 8, priority=3))
+    s.add(ranked_seq("new", 7, priority=3, first_token=50))
+    run_step(s)
+    run_step(s)
+    out = s.schedule()
+    assert [p.seq_id for p in out.preempted] == ["new"]
+    assert [x.seq.seq_id for x in out.scheduled] == ["old"]
+
+
+def test_a_preempted_sequence_waits_in_its_priority_place():
+    s = make_priority_scheduler(num_blocks=5)
+    s.add(ranked_seq("low", 8, priority=1))
+    s.add(ranked_seq("high", 7, priority=0, first_token=50))
+    run_step(s)
+    run_step(s)
+    s.add(ranked_seq("lower", 4, priority=2, first_token=90))
+    s.add(ranked_seq("urgent", 4, priority=0, first_token=99))
+    assert [p.seq_id for p in s.schedule().preempted] == ["low"]
+    assert [seq.seq_id for seq in s.waiting] == ["urgent", "low", "lower"]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        Scheduler(BlockPool(8), BLOCK, 1, 8, policy="lifo")
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")
+
+
+def test_fcfs_refuses_a_priority_other_than_zero():
+    check_priority(0, "fcfs")
+    for priority in (-3, 0, 7):
+        check_priority(priority, "priority")
+    with pytest.raises(InvalidRequestError, match="priority scheduling is not enabled") as refused:
+        check_priority(1, "fcfs")
+    assert refused.value.param == "priority"
+    for bad in (1.5, "1", True, None):
+        with pytest.raises(InvalidRequestError, match="must be an integer"):
+            check_priority(bad, "priority")  # type: ignore[arg-type]
+
+
+def test_a_deadline_is_a_positive_finite_number_of_seconds():
+    assert deadline_after(None) is None
+    assert deadline_after(2) is not None
+    for bad in (0, -1.0, float("inf"), float("nan"), "5", True):
+        with pytest.raises(InvalidRequestError, match="timeout: must be a positive number") as refused:
+            deadline_after(bad)  # type: ignore[arg-type]
+        assert refused.value.param == "timeout"

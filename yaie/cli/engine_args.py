@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from yaie.cli.options import EnvDefaults, json_object, parse_bytes, positive_int
-from yaie.config import GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from yaie.config import GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +64,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_num_batched_tokens,
         help="token budget of one step",
     )
+    add(
+        "--scheduling-policy",
+        default=defaults.scheduling_policy,
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: first come, first served (a request's priority must be 0); priority: requests with a "
+        "lower `priority` are admitted first and preempted last, arrival order among equals (as vLLM)",
+    )
     add("--block-size", type=positive_int, default=defaults.block_size, help="tokens per KV cache block")
     add(
         "--no-prefix-caching", action="store_true", help="do not reuse the KV cache of shared prompt prefixes"
@@ -94,4 +101,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         generation_config=args.generation_config,
+        scheduling_policy=args.scheduling_policy,
     )

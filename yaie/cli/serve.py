@@ -13,7 +13,7 @@ import uvicorn
 from rich.markup import escape
 
 from yaie.cli.engine_args import add_engine_args, engine_config
-from yaie.cli.options import EnvDefaults, parse_bytes, positive_int
+from yaie.cli.options import EnvDefaults, parse_bytes, positive_int, positive_seconds
 from yaie.cli.terminal import console, loading_bar
 from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.engine import Engine
@@ -71,6 +71,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "content (vLLM's: deepseek_r1 when the output starts in thought, qwen3 when the template opens it)",
     )
     env.add(
+        "--request-timeout",
+        type=positive_seconds,
+        help="seconds after which a request that sets no `timeout` of its own ends, finished or not, "
+        'with finish_reason "timeout" (default: none)',
+    )
+    env.add(
         "--timeout-keep-alive",
         type=positive_int,
         default=5,
@@ -96,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_seqs_per_request=args.max_seqs_per_request,
         default_max_tokens=args.default_max_tokens,
+        request_timeout=args.request_timeout,
     )
     try:  # the model's generation_config.json is read here: a bad one stops the start
         app = build_app(

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from yaie.engine.engine import Engine, EngineStats
 from yaie.engine.input_processor import ProcessedRequest
+from yaie.engine.request import deadline_after
 from yaie.engine.snapshot import EngineSnapshots
 from yaie.errors import YaieError
 from yaie.outputs import RequestOutput
@@ -130,6 +131,8 @@ class AddRequests:
     requests: list[tuple[str, ProcessedRequest]]
     streams: list[StreamEntry]
     max_waiting: int | None
+    priority: int  # Engine.add_processed_request's
+    deadline: float | None  # a time.monotonic() instant, from when the call arrived
     reply: concurrent.futures.Future[None]
 
 
@@ -191,12 +194,21 @@ class AsyncEngine:
     # -- the event loop's side ----------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, max_waiting: int | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        max_waiting: int | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError, EngineClosedError, or EngineOverloadedError
         (see add_requests). A text prompt is tokenized off the engine thread first."""
+        deadline = deadline_after(timeout)  # tokenizing counts against it too
         token_ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
-        (stream,) = await self.add_requests([(request_id, token_ids)], params, max_waiting)
+        requests = [(request_id, token_ids)]
+        (stream,) = await self._add_requests(requests, params, max_waiting, priority, deadline)
         return stream
 
     async def add_requests(
@@ -204,14 +216,29 @@ class AsyncEngine:
         requests: Sequence[tuple[str, list[int]]],
         params: SamplingParams,
         max_waiting: int | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> list[RequestStream]:
         """Queue (request id, prompt token ids) pairs together: all of them, or none. They are
         checked, and their structured outputs compiled, on the tokenizer threads first, so
         that a new schema holds up no step.
 
         `max_waiting` counts sequences, every choice of every request: EngineOverloadedError
-        (retry later) when these would push the number waiting past it.
+        (retry later) when these would push the number waiting past it. `priority` and
+        `timeout` (seconds from this call, checks and compiles included) apply to each request,
+        as in Engine.add_request.
         """
+        return await self._add_requests(requests, params, max_waiting, priority, deadline_after(timeout))
+
+    async def _add_requests(
+        self,
+        requests: Sequence[tuple[str, list[int]]],
+        params: SamplingParams,
+        max_waiting: int | None,
+        priority: int,
+        deadline: float | None,
+    ) -> list[RequestStream]:
         if self._closed:
             raise EngineClosedError("the server is shutting down")
         processor = self._input_processor
@@ -221,7 +248,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         streams = [RequestStream(request_id, self) for request_id, _ in requests]
         reply: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(AddRequests(processed, [(loop, stream) for stream in streams], max_waiting, reply))
+        entries = [(loop, stream) for stream in streams]
+        self._submit(AddRequests(processed, entries, max_waiting, priority, deadline, reply))
         try:
             await asyncio.wrap_future(reply)
         except asyncio.CancelledError:
@@ -231,10 +259,17 @@ class AsyncEngine:
         return streams
 
     async def generate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it progresses; stopping the iteration early aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
+        """Outputs of one request as it progresses; stopping the iteration early aborts it.
+        `priority` and `timeout` as in Engine.add_request."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority, timeout=timeout)
         try:
             async for output in stream:
                 yield output
@@ -363,7 +398,9 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for (request_id, processed), entry in zip(command.requests, command.streams, strict=True):
-                engine.add_processed_request(request_id, processed)
+                engine.add_processed_request(
+                    request_id, processed, priority=command.priority, deadline=command.deadline
+                )
                 added.append(request_id)
                 self._streams[request_id] = entry
         except BaseException:

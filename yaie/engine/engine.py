@@ -36,7 +36,7 @@ from yaie.engine.detokenizer import IncrementalDetokenizer
 from yaie.engine.input_processor import InputProcessor, ProcessedRequest
 from yaie.engine.model_runner import ModelRunner, RunnerOutput
 from yaie.engine.output_processor import OutputProcessor, fail, unfinished_seqs
-from yaie.engine.request import Choice, Request
+from yaie.engine.request import Choice, Request, check_priority, deadline_after
 from yaie.engine.resources import (
     max_model_len,
     num_kv_blocks,
@@ -44,7 +44,7 @@ from yaie.engine.resources import (
     resolve_kv_cache_dtype,
 )
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
-from yaie.engine.sequence import Sequence
+from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.engine.step_log import StepLog
 from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.errors import InvalidRequestError
@@ -152,8 +152,9 @@ class Engine:
             prefix_cache = RadixCache(self.block_pool, config.block_size)
         self.scheduler = Scheduler(
             self.block_pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-            prefix_cache=prefix_cache, drafter=self.speculator,
+            prefix_cache=prefix_cache, drafter=self.speculator, policy=config.scheduling_policy,
         )  # fmt: skip
+        logger.info("scheduling policy: %s", config.scheduling_policy)
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config.vocab_size, self.max_model_len, self.eos_token_ids
         )
@@ -168,35 +169,53 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidRequestError for input we refuse."""
-        return self.add_processed_request(
-            request_id, self.input_processor.process(prompt, params or SamplingParams())
-        )
+        """Queue a request; returns its id. Raises InvalidRequestError for input we refuse.
+        `priority`: lower runs first, under the priority scheduling policy (must be 0 under
+        fcfs). `timeout`: seconds from now after which the request ends, finished or not, with
+        finish_reason "timeout"."""
+        deadline = deadline_after(timeout)
+        processed = self.input_processor.process(prompt, params or SamplingParams())
+        return self.add_processed_request(request_id, processed, priority=priority, deadline=deadline)
 
-    def add_processed_request(self, request_id: str | None, processed: ProcessedRequest) -> str:
+    def add_processed_request(
+        self,
+        request_id: str | None,
+        processed: ProcessedRequest,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> str:
         """Queue a request the input processor made ready (perhaps on another thread); returns
-        its id."""
+        its id. `deadline`: the time.monotonic() instant by which it ends (see add_request)."""
+        check_priority(priority, self.config.scheduling_policy)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        request = self._new_request(request_id, processed)
+        request = self._new_request(request_id, processed, priority)
+        request.deadline = deadline
         self.requests[request_id] = request
         seqs = [choice.seq for choice in request.choices]
         self.scheduler.add(seqs[0], siblings=seqs[1:])
         self.step_log.arrived(request_id)
         return request_id
 
-    def _new_request(self, request_id: str, processed: ProcessedRequest) -> Request:
+    def _new_request(self, request_id: str, processed: ProcessedRequest, priority: int) -> Request:
         """The request with its n choices: a sequence for the scheduler each, with its own
         grammar matcher and seeded generator where the request has them."""
         params, prompt_token_ids = processed.params, processed.prompt_token_ids
-        request = Request(request_id, processed.prompt, prompt_token_ids, params)
+        request = Request(request_id, processed.prompt, prompt_token_ids, params, priority=priority)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         for index in range(params.n):
-            seq = Sequence(f"{request_id}-{index}", prompt_token_ids, params, request_id, index)
+            seq = Sequence(f"{request_id}-{index}", prompt_token_ids, params, request_id, index, priority)
             if processed.grammar is not None:
                 seq.grammar = processed.grammar.matcher()
             if params.seed is not None:
@@ -221,6 +240,19 @@ class Engine:
         for seq, status in unfinished_seqs(request).items():
             self.scheduler.finish(seq, status)
         return True
+
+    def _expire(self) -> list[RequestOutput]:
+        """End every request whose deadline has passed, waiting or running: its sequences are
+        freed now, and its last output says finish_reason "timeout"."""
+        now = time.monotonic()
+        expired = [r for r in self.requests.values() if r.deadline is not None and r.deadline <= now]
+        outputs = []
+        for request in expired:
+            for seq in unfinished_seqs(request):
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_TIMEOUT)
+            del self.requests[request.request_id]
+            outputs.append(self.output_processor.time_out(request))
+        return outputs
 
     def _fail(self, request: Request, error: str) -> None:
         """Finish a request with an error between two stages of a step: its sequences are freed
@@ -249,8 +281,10 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> sample -> process outputs -> update."""
+        """schedule -> run -> sample -> process outputs -> update (after ending the requests
+        whose deadline has passed, so that their blocks are free for this step's plan)."""
         started = time.perf_counter()
+        expired = self._expire()
         plan = self.scheduler.schedule()
         plan, model_output, sampled = self._forward(plan)  # run and sample, failing requests alone
         outputs, finished = self.output_processor.process(self.requests, plan, model_output, sampled)
@@ -259,7 +293,7 @@ class Engine:
             if output.finished:
                 del self.requests[output.request_id]
         self._record(plan, started)
-        outputs, self._failed = outputs + self._failed, []
+        outputs, self._failed = expired + outputs + self._failed, []
         return outputs
 
     def _record(self, plan: SchedulerOutput, started: float) -> None:

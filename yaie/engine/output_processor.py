@@ -8,7 +8,8 @@ the step finished, and the engine has the scheduler release exactly those. Then 
 request gets a `RequestOutput` with its choices' text, deltas and logprobs.
 
 While a stop string could still be forming at the end of a choice's text, that tail is held
-back, so a stream never shows part of a stop string.
+back, so a stream never shows part of a stop string. A request whose deadline passed gets its
+last output from `time_out` (finish_reason "timeout"), between two steps.
 
 The request table is the engine's; this stage only reads it and updates its requests' choices.
 A failure while processing one request (a tokenizer error on some odd token, say) fails that
@@ -153,6 +154,15 @@ class OutputProcessor:
         choice.text = choice.text[:end]
         choice.seq.stop_reason = stop
         return True
+
+    def time_out(self, request: Request) -> RequestOutput:
+        """The last output of a request whose deadline passed: each choice still going ends
+        with finish_reason "timeout", its text complete (nothing is held back any more)."""
+        for choice in request.choices:
+            if choice.finish_reason is None:
+                choice.text += choice.detokenizer.flush()
+                choice.finish_reason = SequenceStatus.FINISHED_TIMEOUT.value
+        return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
         holdback = max((len(s) for s in request.params.stop), default=1) - 1

@@ -3,10 +3,14 @@ answer it. Each choice is a `Sequence` for the scheduler plus the text the user 
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
+from yaie.config import SCHEDULING_POLICIES
 from yaie.engine.detokenizer import IncrementalDetokenizer
 from yaie.engine.sequence import Sequence
+from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
 from yaie.sampling_params import SamplingParams
 
@@ -35,7 +39,35 @@ class Request:
     # Filled as the prompt is computed, when the request asked for prompt logprobs. Position 0
     # has nothing before it to predict it, so its entry is None (as in vLLM).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    priority: int = 0  # under the priority policy, lower runs first (vLLM's convention)
+    # The time.monotonic() instant by which the request ends, finished or not (its `timeout`).
+    deadline: float | None = None
 
     @property
     def finished(self) -> bool:
         return all(choice.finish_reason is not None for choice in self.choices)
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """The time.monotonic() instant `timeout` seconds from now (None: no deadline); raises
+    InvalidRequestError unless it is a positive, finite number of seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+        message = f"timeout: must be a positive number of seconds, got {timeout!r}"
+        raise InvalidRequestError(message, "timeout")
+    return time.monotonic() + timeout
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A request's priority is an integer, and other than 0 only under the priority policy
+    (as vLLM, which refuses it under fcfs rather than ignore what the client asked for)."""
+    assert policy in SCHEDULING_POLICIES
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", "priority")
+    if priority != 0 and policy != "priority":
+        raise InvalidRequestError(
+            f"priority: got {priority}, but priority scheduling is not enabled: under the fcfs policy "
+            "every request's priority is 0 (start the engine with --scheduling-policy priority)",
+            "priority",
+        )

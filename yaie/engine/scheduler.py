@@ -1,14 +1,23 @@
 """Continuous batching: decide, every step, which sequences compute how many tokens.
 
-Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
-first: a decoding sequence needs one token, a sequence still in its prompt takes as many tokens
-as the budget leaves (chunked prefill). Waiting sequences are then admitted in arrival order
-while the budget, `max_num_seqs` and free KV blocks allow. When a running sequence needs a
-block and none is free, the prefix cache gives back unused blocks first; after that the newest
-running sequence is preempted: its blocks are freed and it waits to be recomputed from its
-prompt plus what it has generated so far. The oldest sequence therefore always makes progress,
-which is why this never deadlocks, and since the pool is never asked for more than it has, it
-never runs out.
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, in
+admission order: a decoding sequence needs one token, a sequence still in its prompt takes as
+many tokens as the budget leaves (chunked prefill). Waiting sequences are then admitted from the
+head of the waiting queue while the budget, `max_num_seqs` and free KV blocks allow. When a
+running sequence needs a block and none is free, the prefix cache gives back unused blocks
+first; after that a running sequence is preempted: its blocks are freed and it waits to be
+recomputed from its prompt plus what it has generated so far. The running sequence the policy
+ranks first therefore always makes progress, which is why this never deadlocks, and since the pool is
+never asked for more than it has, it never runs out.
+
+The scheduling policy (vLLM's `scheduling_policy`) decides the two orders:
+- "fcfs": the waiting queue is in arrival order (a preempted sequence goes back to its head),
+  and the victim of a preemption is the newest admitted running sequence.
+- "priority": each sequence carries its request's `priority` (lower first, as vLLM): the
+  waiting queue is ordered by (priority, arrival), and the victim is the running sequence with
+  the largest (priority, arrival), which may be one already planned this step (it is taken back
+  out of the plan). A waiting sequence of higher priority does not preempt running ones to get
+  in (as vLLM): it is admitted first when room frees up.
 
 A request with n > 1 choices arrives as n sequences with the same prompt. Only the first is
 queued; its siblings wait until it has computed the prompt and then share its KV blocks, so the
@@ -26,12 +35,15 @@ Pure Python on purpose: no torch here, so every policy is unit-tested in millise
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from yaie.cache.block_pool import BlockPool
+from yaie.config import SCHEDULING_POLICIES
 from yaie.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -128,8 +140,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefix_cache: RadixCache | None = None,
         drafter: Drafter | None = None,
+        policy: str = "fcfs",
     ) -> None:
-        """`drafter`: with speculative decoding, what drafts the tokens each plan verifies."""
+        """`drafter`: with speculative decoding, what drafts the tokens each plan verifies.
+        `policy`: one of SCHEDULING_POLICIES (see the module docstring)."""
+        if policy not in SCHEDULING_POLICIES:
+            choices = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(f"scheduling policy must be one of {choices}; got {policy!r}")
+        self.policy = policy
         self.pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -137,7 +155,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.running: list[Sequence] = []  # in admission order
+        self._arrivals = itertools.count()
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (not cache hits)
         # n > 1: siblings waiting for the first choice's prompt (see `add`), by that choice.
@@ -153,8 +172,11 @@ class Scheduler:
         wait until `seq` has computed the prompt, then take references on its prompt blocks
         instead of computing them again."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        self._enqueue(seq, len(self.waiting))
         if siblings:
+            for sibling in siblings:
+                sibling.arrival = seq.arrival  # one request: one place in the order
             self._siblings[seq] = list(siblings)
 
     def has_unfinished(self) -> bool:
@@ -184,22 +206,26 @@ class Scheduler:
         planned: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
 
+        # planned[i] is running[i]'s part for every i < index.
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._grow(seq, num_new):
-                victim = self.running.pop()
+                victim = self._victim()
+                position = self.running.index(victim)
+                del self.running[position]
+                if position < index:  # planned earlier in this step: take its part back
+                    budget += planned.pop(position)[1]
+                    index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
-                    break
+                    break  # the next sequence now stands at `index`
             else:
                 planned.append((seq, num_new))
                 budget -= num_new
                 index += 1
-                continue
-            break  # the sequence preempted itself: nobody after it is left to schedule
 
         # Admitting new work while evicting old work would only thrash: wait for a calmer step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -279,7 +305,7 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             num_blocks = min(source.num_computed_tokens, seq.num_tokens - 1) // self.block_size
             if num_blocks == 0:
-                self.waiting.append(seq)
+                self._enqueue(seq, len(self.waiting))
                 continue
             shared = source.block_table[:num_blocks]
             self.pool.incref(shared)
@@ -287,11 +313,11 @@ class Scheduler:
             seq.num_computed_tokens = num_blocks * self.block_size
             # A waiting sequence that holds blocks must not queue behind one that cannot be
             # admitted until those very blocks are freed: put it first, after the other
-            # block-holding sequences.
+            # block-holding sequences (under either policy).
             position = 0
             while position < len(self.waiting) and self.waiting[position].block_table:
                 position += 1
-            self.waiting.insert(position, seq)
+            self._enqueue(seq, position)
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -342,4 +368,27 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, 0)
+
+    # -- the policy's two orders ----------------------------------------------------------------
+
+    def _enqueue(self, seq: Sequence, fcfs_position: int) -> None:
+        """Put a sequence in the waiting queue: at `fcfs_position` under fcfs (the end for an
+        arrival, the head for a preempted sequence); under priority, in (priority, arrival)
+        order, behind the sequences holding blocks (released siblings, see above)."""
+        position = fcfs_position
+        if self.policy == "priority":
+            position = bisect.bisect_right(self.waiting, _waiting_key(seq), key=_waiting_key)
+        self.waiting.insert(position, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt when blocks run out: the newest admitted under fcfs,
+        the largest (priority, arrival) under priority (the newest admitted among equals)."""
+        if self.policy == "priority":
+            return max(reversed(self.running), key=lambda seq: (seq.priority, seq.arrival))
+        return self.running[-1]
+
+
+def _waiting_key(seq: Sequence) -> tuple[bool, int, int]:
+    """The priority policy's waiting order: block holders first, then (priority, arrival)."""
+    return (not seq.block_table, seq.priority, seq.arrival)

@@ -15,14 +15,11 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"  # its request's deadline passed (the request's `timeout`)
 
     @property
     def finished(self) -> bool:
-        return self in (
-            SequenceStatus.FINISHED_STOPPED,
-            SequenceStatus.FINISHED_LENGTH,
-            SequenceStatus.FINISHED_ABORTED,
-        )
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
 
 class Sequence:
@@ -33,12 +30,16 @@ class Sequence:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         index: int = 0,
+        priority: int = 0,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = seq_id if request_id is None else request_id  # the Request it belongs to
         self.index = index  # which of the request's n choices it is
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        # Under the priority policy: lower runs first (vLLM's convention); ties go by arrival.
+        self.priority = priority
+        self.arrival = 0  # the scheduler's arrival order, stamped by Scheduler.add
         self.status = SequenceStatus.WAITING
         # Prompt followed by every generated token: what the KV cache must eventually hold.
         self.all_token_ids = list(prompt_token_ids)

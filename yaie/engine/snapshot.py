@@ -7,12 +7,13 @@ engine (`AsyncEngine.snapshot` does). The schema (version 2):
     time         Unix time of the snapshot
     cost_ms      what taking this snapshot cost the engine thread
     model        {name, architecture, max_model_len}
-    config       {block_size, max_num_seqs, max_num_batched_tokens, prefix_caching}
+    config       {block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
+                  scheduling_policy ("fcfs" or "priority")}
     sequences    one per sequence the scheduler holds, running ones first (in admission order),
                  then the waiting ones (in queue order):
                  {request_id, index (which of the request's n choices), phase, num_computed_tokens,
                   num_tokens (prompt + generated), num_prompt_tokens, num_cached_tokens,
-                  num_preemptions, blocks (its block table)}
+                  num_preemptions, priority (its request's), blocks (its block table)}
                  phase: "prefill" (running, more than the last token left to compute: a prompt
                  chunk, or recomputation after a preemption), "decode" (running, one token a
                  step), "waiting" (not admitted yet), "preempted" (waiting again after a
@@ -87,6 +88,7 @@ class EngineSnapshots:
                 "max_num_seqs": config.max_num_seqs,
                 "max_num_batched_tokens": config.max_num_batched_tokens,
                 "prefix_caching": cache is not None,
+                "scheduling_policy": config.scheduling_policy,
             },
             "sequences": sequences,
             "kv": _kv(engine),
@@ -140,6 +142,7 @@ def _sequence(seq: Sequence, running: bool) -> dict[str, Any]:
         "num_prompt_tokens": seq.num_prompt_tokens,
         "num_cached_tokens": seq.num_cached_tokens,
         "num_preemptions": seq.num_preemptions,
+        "priority": seq.priority,
         "blocks": list(seq.block_table),
     }
 

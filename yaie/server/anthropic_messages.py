@@ -114,7 +114,9 @@ class ContentBlocks:
 
 def stop_reason(choice: CompletionOutput, parser: ToolCallSplitter | None) -> tuple[str | None, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a finished choice."""
-    if choice.finish_reason == "length":
+    # Anthropic has no stop reason for a deadline: a timeout is reported as the answer cut
+    # short that it is, which every client handles (docs/server.md).
+    if choice.finish_reason in ("length", "timeout"):
         return "max_tokens", None
     if choice.finish_reason != "stop":
         return choice.finish_reason, None  # the engine's own reason (an abort), as it said it

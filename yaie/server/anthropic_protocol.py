@@ -168,6 +168,9 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[p.Text] | None = None
     stream: bool = False
     metadata: Metadata | None = None
+    # yaie's extensions, as on OpenAI's requests (protocol.Timeout)
+    priority: int | None = None  # None: 0
+    timeout: p.Timeout | None = None
 
     def to_chat(self) -> p.ChatCompletionRequest:
         return self.chat_request(
@@ -176,6 +179,8 @@ class MessagesRequest(CountTokensRequest):
             top_p=self.top_p,
             top_k=self.top_k,
             stop=self.stop_sequences,
+            priority=self.priority,
+            timeout=self.timeout,
         )
 
     def to_sampling_params(

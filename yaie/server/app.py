@@ -65,6 +65,9 @@ class ServerLimits:
     # one careless request hold a sequence (and its KV cache) for thousands of steps; ours is a
     # bound of its own, cut to the room the prompt leaves (and to the model's max_new_tokens).
     default_max_tokens: int = 2048
+    # Seconds after which a request that sets no `timeout` of its own ends with finish_reason
+    # "timeout" (--request-timeout); None: no deadline.
+    request_timeout: float | None = None
 
 
 # A prompt longer than this many characters per token of context cannot fit, whatever it says
@@ -153,8 +156,11 @@ class OpenAIServer:
         """Add one engine request per (id, prompt token ids): all of them, or none."""
         trackers = [RequestTracker(self.metrics) for _ in requests]  # their clocks start on arrival
         params = self._with_default_max_tokens(params, [prompt for _, prompt in requests])
+        timeout = body.timeout if body.timeout is not None else self.limits.request_timeout
         try:
-            streams = await self.engine.add_requests(requests, params, self.limits.max_waiting)
+            streams = await self.engine.add_requests(
+                requests, params, self.limits.max_waiting, priority=body.priority or 0, timeout=timeout
+            )
         except InvalidRequestError as exc:
             raise body.translate_error(exc) from exc
         return Generation(request, streams, trackers, params.n, self.metrics)
@@ -342,6 +348,8 @@ def build_app(
     if generation_config_source == "auto":
         defaults = generation_config.load(Path(async_engine.model_path))
     logger.info("default sampling parameters: %s", defaults.describe())
+    if limits.request_timeout is not None:
+        logger.info("requests without a timeout of their own end after %g s", limits.request_timeout)
     parser = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
     server = OpenAIServer(async_engine, served_model_name, limits, defaults, parser)
     app = FastAPI(title="yaie", version=yaie.__version__)

@@ -108,6 +108,9 @@ class GenerationRequest(OllamaModel):
     keep_alive: Text | float | None = None  # accepted: the model is always loaded
     think: bool | Text | None = None
     logprobs: bool | None = None
+    # yaie's extensions, as on OpenAI's requests (protocol.Timeout); a timeout is done_reason "timeout"
+    priority: int | None = None  # None: 0
+    timeout: p.Timeout | None = None
 
     @property
     def streams(self) -> bool:
@@ -135,8 +138,10 @@ class GenerationRequest(OllamaModel):
         return self.options is not None and self.options.fills_context
 
     def sampling_fields(self) -> dict[str, Any]:
-        """The OpenAI request's sampling fields and response format for this request."""
+        """The OpenAI request's sampling fields, response format and scheduling fields for this
+        request."""
         fields = self.options.sampling_fields() if self.options is not None else {}
+        fields.update(priority=self.priority, timeout=self.timeout)
         if self.format == "json":
             fields["response_format"] = {"type": "json_object"}
         elif isinstance(self.format, dict):

@@ -46,6 +46,13 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string a request carries
 
 
+# Scheduling fields every API's request takes (their other fields are each API's own):
+# vLLM's `priority`, lower first under --scheduling-policy priority, refused other than 0 under
+# fcfs (by the engine, yaie/engine/request.py); and yaie's `timeout`, seconds after which the
+# request ends, finished or not, with finish_reason "timeout".
+Timeout = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -201,6 +208,9 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    priority: int | None = None  # None: 0; see Timeout, above
+    # yaie's: None takes the server's --request-timeout (if any)
+    timeout: Timeout | None = None
 
     @property
     def include_usage(self) -> bool:

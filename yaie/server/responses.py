@@ -4,8 +4,9 @@ finished responses that `previous_response_id` continues and GET/DELETE reach.
 A response's output is a "message" item with the model's text and a "function_call" item per
 call it made (when the request has tools, the text is split by the model's tool format, as chat
 completions do). Its status is "incomplete" (incomplete_details.reason "max_output_tokens") when
-the output ran out of tokens. Streamed, it comes as OpenAI's events, each an SSE `event:` line
-with the event's type and a `data:` line with a `sequence_number`: response.created,
+the output ran out of tokens, or (reason "timeout", yaie's) when the request's deadline passed.
+Streamed, it comes as OpenAI's events, each an SSE `event:` line with the event's type and a
+`data:` line with a `sequence_number`: response.created,
 response.in_progress, then per item response.output_item.added, (for a message)
 response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done, (for a call) response.function_call_arguments.delta/done,
@@ -158,7 +159,7 @@ class ResponseBuilder:
         if content.strip() or not calls:
             output.append(_message(content, status))
         output += [_function_call(call) for call in calls]
-        return self._finish(output, status, usage)
+        return self._finish(output, choice.finish_reason, usage)
 
     def event_format(self) -> EventFormat[dict[str, Any]]:
         """How the stream is written: named events, and a failure once it began as its last, an
@@ -231,17 +232,25 @@ class ResponseBuilder:
             for item in message.close(status, event):
                 yield item
             output.append(message.item(status))
-        response = self._finish(output, status, generation.usage())
+        response = self._finish(output, finish_reason, generation.usage())
         yield event(
             "response.completed" if status == "completed" else "response.incomplete", response=response
         )
 
-    def _response(self, status: str, output: list[rp.OutputItem], usage: p.Usage | None) -> rp.ResponseObject:
+    def _response(
+        self,
+        status: str,
+        output: list[rp.OutputItem],
+        usage: p.Usage | None,
+        finish_reason: str | None = None,
+    ) -> rp.ResponseObject:
         return rp.ResponseObject(
             id=self.response_id,
             created_at=self.created_at,
             status=status,  # type: ignore[arg-type]
-            incomplete_details=rp.IncompleteDetails(reason="max_output_tokens")
+            incomplete_details=rp.IncompleteDetails(
+                reason="timeout" if finish_reason == "timeout" else "max_output_tokens"
+            )
             if status == "incomplete"
             else None,
             model=self.model,
@@ -252,15 +261,17 @@ class ResponseBuilder:
             **self.body.echo(),
         )
 
-    def _finish(self, output: list[rp.OutputItem], status: str, usage: p.Usage) -> rp.ResponseObject:
-        response = self._response(status, output, usage)
+    def _finish(
+        self, output: list[rp.OutputItem], finish_reason: str | None, usage: p.Usage
+    ) -> rp.ResponseObject:
+        response = self._response(_status(finish_reason), output, usage, finish_reason)
         if self.body.store:
             self.store.put(response, [*self.history, *self.body.input_messages(), _turn(output)])
         return response
 
 
 def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+    return "incomplete" if finish_reason in ("length", "timeout") else "completed"
 
 
 def _message(text: str, status: str) -> rp.OutputMessage:

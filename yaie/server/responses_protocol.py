@@ -140,6 +140,9 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: Text | None = None
     metadata: dict[Text, Text] | None = None
     user: Text | None = None  # accepted and ignored
+    # vLLM's and yaie's extensions, as on chat completions (protocol.Timeout)
+    priority: int | None = None  # None: 0
+    timeout: p.Timeout | None = None
 
     @classmethod
     def parse(cls, body: bytes) -> ResponsesRequest:
@@ -200,6 +203,8 @@ class ResponsesRequest(OpenAIModel):
             tools=[tool.to_chat() for tool in self.tools] if self.tools else None,
             tool_choice=tool_choice,
             response_format=self._response_format(),
+            priority=self.priority,
+            timeout=self.timeout,
         )
 
     def _response_format(self) -> p.ResponseFormat | None:
@@ -323,7 +328,7 @@ class ResponseUsage(BaseModel):
 
 
 class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens"]
+    reason: Literal["max_output_tokens", "timeout"]  # timeout: yaie's, the request's deadline passed
 
 
 class ResponseObject(BaseModel):
