@@ -8,6 +8,7 @@ from typing import Any, cast
 from yaie.config import EngineConfig
 from yaie.engine.engine import Engine
 from yaie.outputs import RequestOutput
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -37,6 +38,16 @@ class LLM:
             raise ValueError(f"{len(batch)} prompts but {len(sampling_params)} sampling params")
         ids = [self.engine.add_request(None, p, sp) for p, sp in zip(batch, sampling_params, strict=True)]
         return self._run(ids)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None
+    ) -> list[RequestOutput]:
+        """One vector per prompt from the final hidden states (`RequestOutput.pooled.data`),
+        batched together, in prompt order; `pooling_params` default to the engine's pooling,
+        normalised (yaie/pooling_params.py)."""
+        batch = [cast(Prompt, prompts)] if _is_one_prompt(prompts) else cast("Sequence[Prompt]", prompts)
+        params = pooling_params or PoolingParams()
+        return self._run([self.engine.add_request(None, prompt, params) for prompt in batch])
 
     def chat(
         self,

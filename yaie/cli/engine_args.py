@@ -7,6 +7,7 @@ import argparse
 
 from yaie.cli.options import EnvDefaults, json_object, parse_bytes, positive_int
 from yaie.config import GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from yaie.pooling_params import POOLING_TYPES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +76,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: the model's generation_config.json sampling defaults apply to requests that omit them "
         "(vLLM's --generation-config auto); vllm: the API's own defaults",
     )
+    add(
+        "--pooling",
+        default=defaults.pooling,
+        choices=POOLING_TYPES,
+        help="how an embedding is made from the final hidden states: last, the last token's; mean, the "
+        "average over every token (then normalised)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -94,4 +102,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         generation_config=args.generation_config,
+        pooling=args.pooling,
     )

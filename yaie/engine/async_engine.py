@@ -37,6 +37,7 @@ from yaie.engine.input_processor import ProcessedRequest
 from yaie.engine.snapshot import EngineSnapshots
 from yaie.errors import YaieError
 from yaie.outputs import RequestOutput
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,11 @@ class AsyncEngine:
     # -- the event loop's side ----------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, max_waiting: int | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | PoolingParams,
+        max_waiting: int | None = None,
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError, EngineClosedError, or EngineOverloadedError
         (see add_requests). A text prompt is tokenized off the engine thread first."""
@@ -202,7 +207,7 @@ class AsyncEngine:
     async def add_requests(
         self,
         requests: Sequence[tuple[str, list[int]]],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         max_waiting: int | None = None,
     ) -> list[RequestStream]:
         """Queue (request id, prompt token ids) pairs together: all of them, or none. They are
@@ -351,7 +356,7 @@ class AsyncEngine:
 
     def _add(self, command: AddRequests) -> None:
         engine = self._engine
-        num_seqs = sum(processed.params.n for _, processed in command.requests)
+        num_seqs = sum(processed.num_seqs for _, processed in command.requests)
         # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
         if command.max_waiting is not None and engine.stats().num_waiting + num_seqs > command.max_waiting:
             raise EngineOverloadedError(f"{command.max_waiting} sequences are already waiting; retry later")
