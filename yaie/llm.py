@@ -67,10 +67,11 @@ class LLM:
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)  # the engine may run others' requests too (added through `engine`)
         try:
             while len(done) < len(request_ids):
                 for output in self.engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in wanted:
                         done[output.request_id] = output
         except BaseException:
             for request_id in request_ids:  # leave the engine clean for the next call

@@ -13,10 +13,9 @@ import torch.nn.functional as F
 
 from tests.engine.engine_helpers import assert_no_leak
 from tests.model.tiny_models import make_tiny_model
-from yaie import LLM, SamplingParams
+from yaie import LLM, PoolingParams, SamplingParams
 from yaie.errors import InvalidRequestError
 from yaie.outputs import RequestOutput
-from yaie.pooling_params import PoolingParams
 
 ATOL = 1e-5
 # Long enough to span several 16-token blocks and, with a small token budget, several chunks.
@@ -134,19 +133,26 @@ def test_prefix_cache_serves_last_pooling_not_mean(tiny):
 
 
 def test_preempted_mean_pooling_starts_its_sum_again(tiny):
-    """A pool too small for everyone: sequences are preempted mid-prompt and recomputed, and the
-    vectors are still exact."""
+    """An 8-block pool: a generation request holding half of it grows while a 90-token mean-pooling
+    prompt is computed in chunks beside it, so the prompt is preempted mid-way (the newest goes
+    first) and recomputed from its start; its vector is still exact."""
     path, hf = tiny
     llm = LLM(
-        path, quantization="none", num_kv_blocks=8, max_num_batched_tokens=16, enable_prefix_caching=False
+        path, quantization="none", num_kv_blocks=8, max_num_batched_tokens=20, enable_prefix_caching=False
     )
-    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm.engine.add_request(None, PROMPTS[1], greedy)
-    prompts = [PROMPTS[0], PROMPTS[2][:60]]
-    outputs = llm.embed(prompts, PoolingParams(pooling_type="mean"))
-    assert llm.engine.scheduler.num_preemptions > 0
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert_close(vector(output), expected(hf, prompt, "mean"))
+    engine = llm.engine
+    long_generation = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    gen_id = engine.add_request(None, PROMPTS[1], long_generation)
+    generating = engine.requests[gen_id].choices[0].seq
+    while generating.num_tokens < 60:  # 4 of the 8 blocks
+        engine.step()
+    prompt = list(range(3, 93))
+    (output,) = llm.embed(prompt, PoolingParams(pooling_type="mean"))
+    assert engine.scheduler.num_preemptions > 0
+    assert_close(vector(output), expected(hf, prompt, "mean"))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_pool.num_used == 0
 
 
 def test_refused_inputs(tiny):
