@@ -80,8 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--pooling",
         default=defaults.pooling,
         choices=POOLING_TYPES,
-        help="how an embedding is made from the final hidden states: last, the last token's; mean, the "
-        "average over every token (then normalised)",
+        help="how an embedding (/v1/embeddings, /api/embed) is made from the final hidden states: last, "
+        "the last token's; mean, the average over every token",
     )
 
 

@@ -73,6 +73,14 @@ class ServerLimits:
 MAX_CHARS_PER_TOKEN = 16
 
 
+@dataclass(frozen=True)
+class Embedded:
+    """What a call's pooling requests made: one vector per input, and the tokens they read."""
+
+    vectors: list[list[float]]
+    num_tokens: int
+
+
 class OpenAIServer:
     """The endpoints' logic; `build_app` routes to it."""
 
@@ -195,14 +203,12 @@ class OpenAIServer:
         self._check_model(body.model)
         body.check_dimensions(self.engine.model_info.hidden_size)
         prompts = body.prompts()
-        finals = await self._embed(request, prompts, PoolingParams(normalize=body.normalize), "input")
+        embedded = await self._embed(request, prompts, PoolingParams(normalize=body.normalize), "input")
         data = [
-            p.Embedding(index=i, embedding=p.encode_embedding(final.pooled.data, body.encoding_format))
-            for i, final in enumerate(finals)
-            if final.pooled is not None
+            p.Embedding(index=i, embedding=p.encode_embedding(vector, body.encoding_format))
+            for i, vector in enumerate(embedded.vectors)
         ]
-        num_tokens = sum(len(final.prompt_token_ids) for final in finals)
-        usage = p.EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        usage = p.EmbeddingUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens)
         return _json(p.EmbeddingResponse(data=data, model=self.model_name, usage=usage))
 
     async def _embed(
@@ -212,10 +218,10 @@ class OpenAIServer:
         params: PoolingParams,
         param: str,
         truncate: bool = False,
-    ) -> list[RequestOutput]:
+    ) -> Embedded:
         """Pooling requests for `prompts` (texts or token ids), batched through the engine with
-        everyone else's; their finished outputs, in order. `param`: the request's field, for
-        errors; `truncate`: cut inputs longer than the context to fit (Ollama's), else refuse them."""
+        everyone else's; their vectors, in order. `param`: the request's field, for errors;
+        `truncate`: cut inputs longer than the context to fit (Ollama's), else refuse them."""
         names = [param if len(prompts) == 1 else f"{param}[{i}]" for i in range(len(prompts))]
         if self.limits.max_waiting is not None and len(prompts) > self.limits.max_waiting:
             raise InvalidRequestError(
@@ -245,7 +251,10 @@ class OpenAIServer:
         requests = [(f"{request_id}-{i}", ids) for i, ids in enumerate(token_ids)]
         trackers = [RequestTracker(self.metrics) for _ in requests]
         streams = await self.engine.add_requests(requests, params, self.limits.max_waiting)
-        return await Generation(request, streams, trackers, 1, self.metrics).final_outputs()
+        finals = await Generation(request, streams, trackers, 1, self.metrics).final_outputs()
+        return Embedded(
+            [_pooled(final) for final in finals], sum(len(final.prompt_token_ids) for final in finals)
+        )
 
     # -- OpenAI's Responses API (responses.py) --
 
@@ -411,6 +420,12 @@ def build_app(
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key, public_paths=PUBLIC_PATHS)
     return app
+
+
+def _pooled(output: RequestOutput) -> list[float]:
+    # A failed request ends its stream with an error instead, so a finished output has its vector.
+    assert output.pooled is not None, "a pooling request's finished output carries its vector"
+    return output.pooled.data
 
 
 def _json(model: BaseModel) -> Response:

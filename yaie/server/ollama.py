@@ -289,14 +289,14 @@ class OllamaAPI:
         inputs = body.inputs()
         if not inputs:
             return _json(o.EmbedResponse(model=body.model, embeddings=[]))
-        finals = await self.server._embed(request, inputs, PoolingParams(), "input", truncate=body.truncate)
+        embedded = await self.server._embed(request, inputs, PoolingParams(), "input", truncate=body.truncate)
         return _json(
             o.EmbedResponse(
                 model=body.model,
-                embeddings=[final.pooled.data for final in finals if final.pooled is not None],
+                embeddings=embedded.vectors,
                 total_duration=time.perf_counter_ns() - arrival,
                 load_duration=0,
-                prompt_eval_count=sum(len(final.prompt_token_ids) for final in finals),
+                prompt_eval_count=embedded.num_tokens,
             )
         )
 
@@ -309,8 +309,8 @@ class OllamaAPI:
         if not body.prompt:
             return _json(o.EmbeddingResponse(embedding=[]))
         params = PoolingParams(normalize=False)
-        (final,) = await self.server._embed(request, [body.prompt], params, "prompt", truncate=True)
-        return _json(o.EmbeddingResponse(embedding=final.pooled.data if final.pooled is not None else []))
+        embedded = await self.server._embed(request, [body.prompt], params, "prompt", truncate=True)
+        return _json(o.EmbeddingResponse(embedding=embedded.vectors[0]))
 
     async def tags(self) -> Response:
         return _json(o.ModelList(models=[self.entry]))
