@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from yaie.config import EngineConfig
 from yaie.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
-from yaie.outputs import CompletionOutput, RequestOutput
+from yaie.outputs import CompletionOutput, PoolingOutput, RequestOutput
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -20,6 +21,8 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "ModelLoadError",
+    "PoolingOutput",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "UnsupportedModelError",

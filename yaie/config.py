@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from yaie.pooling_params import POOLING_TYPES
+
 # How linear layers hold their weights (yaie/model/quantization.py).
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
 # What the KV cache stores; auto: the model's compute dtype, or float16 under quantized weights
@@ -43,6 +45,9 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = None
     generation_config: str = "auto"  # one of GENERATION_CONFIGS
     scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+    # How a pooling request (an embedding) that names no pooling_type makes its vector from the
+    # final hidden states: "last" (the last token's) or "mean" (every token's), POOLING_TYPES.
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -57,6 +62,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             choices = ", ".join(KV_CACHE_DTYPES)
             raise ValueError(f"kv_cache_dtype must be one of {choices}; got {self.kv_cache_dtype!r}")
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}; got {self.pooling!r}")
         if self.generation_config not in GENERATION_CONFIGS:
             choices = ", ".join(GENERATION_CONFIGS)
             raise ValueError(f"generation_config must be one of {choices}; got {self.generation_config!r}")

@@ -8,6 +8,7 @@ from typing import Any, cast
 from yaie.config import EngineConfig
 from yaie.engine.engine import Engine
 from yaie.outputs import RequestOutput
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -53,6 +54,16 @@ class LLM:
             raise
         return self._run(ids)
 
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None
+    ) -> list[RequestOutput]:
+        """One vector per prompt from the final hidden states (`RequestOutput.pooled.data`),
+        batched together, in prompt order; `pooling_params` default to the engine's pooling,
+        normalised (yaie/pooling_params.py)."""
+        batch = [cast(Prompt, prompts)] if _is_one_prompt(prompts) else cast("Sequence[Prompt]", prompts)
+        params = pooling_params or PoolingParams()
+        return self._run([self.engine.add_request(None, prompt, params) for prompt in batch])
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -71,10 +82,11 @@ class LLM:
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)  # the engine may run others' requests too (added through `engine`)
         try:
             while len(done) < len(request_ids):
                 for output in self.engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in wanted:
                         done[output.request_id] = output
         except BaseException:
             for request_id in request_ids:  # leave the engine clean for the next call

@@ -1,4 +1,5 @@
-"""What generation returns, in vLLM's shape: one RequestOutput per prompt."""
+"""What the engine returns, in vLLM's shape: one RequestOutput per prompt, with its generated
+completions, or, for a pooling request, its pooled vector."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ class CompletionOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """A pooling request's vector (yaie/pooling_params.py), as float32 values."""
+
+    data: list[float]
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -41,6 +49,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request's result (its `outputs` is empty); None for a generation request.
+    pooled: PoolingOutput | None = None
     # Set when the engine failed on this request (and on it alone): it is finished, and what it
     # generated so far is all it will get.
     error: str | None = None

@@ -1,4 +1,4 @@
-"""Hypothesis over chat and completion bodies, valid and not, against the shared server: every
+"""Hypothesis over chat, completion and embedding bodies, valid and not, against the shared server: every
 answer is a 2xx or a 4xx with OpenAI's error body, never a 5xx, and the server is alive after."""
 
 from __future__ import annotations
@@ -73,9 +73,26 @@ completion_bodies = st.fixed_dictionaries(
     },
     optional={**sampling, "echo": st.booleans(), "logprobs": st.one_of(st.none(), st.integers(-1, 6))},
 )
+token_ids = st.lists(st.integers(-2, 60_000), max_size=4)
+embedding_bodies = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "input": st.one_of(
+            texts, st.lists(texts, max_size=3), token_ids, st.lists(token_ids, max_size=2), junk
+        ),
+    },
+    optional={
+        "encoding_format": st.one_of(st.sampled_from(["float", "base64"]), junk),
+        "dimensions": ints,
+        "normalize": junk,
+        "user": junk,
+        "junk": junk,
+    },
+)
 requests = st.one_of(
     st.tuples(st.just("/v1/chat/completions"), chat_bodies),
     st.tuples(st.just("/v1/completions"), completion_bodies),
+    st.tuples(st.just("/v1/embeddings"), embedding_bodies),
 )
 
 

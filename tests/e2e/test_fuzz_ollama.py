@@ -1,6 +1,7 @@
-"""test_fuzz.py's hypothesis over Ollama's /api/chat and /api/generate bodies: every answer is a
-2xx or a 4xx with Ollama's error body (`{"error": "..."}`), never a 5xx, and a stream that
-answered 200 ends done without an error line."""
+"""test_fuzz.py's hypothesis over Ollama's /api/chat, /api/generate, /api/embed and
+/api/embeddings bodies: every answer is a 2xx or a 4xx with Ollama's error body
+(`{"error": "..."}`), never a 5xx, and a stream that answered 200 ends done without an error
+line."""
 
 from __future__ import annotations
 
@@ -45,8 +46,20 @@ generate_bodies = st.fixed_dictionaries(
         "context": st.one_of(junk, st.lists(st.integers(-2, 60_000), max_size=3)), "suffix": junk,
     },
 )  # fmt: skip
+embed_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, f"{MODEL}:latest"]),
+     "input": st.one_of(texts, st.lists(texts, max_size=3), junk)},
+    optional={"truncate": st.one_of(st.booleans(), junk), "dimensions": ints, "options": junk,
+              "keep_alive": junk},
+)  # fmt: skip
+embeddings_bodies = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "prompt": st.one_of(texts, junk)}, optional={"options": junk, "junk": junk}
+)
 requests = st.one_of(
-    st.tuples(st.just("/api/chat"), chat_bodies), st.tuples(st.just("/api/generate"), generate_bodies)
+    st.tuples(st.just("/api/chat"), chat_bodies),
+    st.tuples(st.just("/api/generate"), generate_bodies),
+    st.tuples(st.just("/api/embed"), embed_bodies),
+    st.tuples(st.just("/api/embeddings"), embeddings_bodies),
 )
 
 
@@ -59,6 +72,10 @@ def test_no_ollama_request_gets_a_5xx(http: httpx.Client, request: tuple[str, di
     assert response.status_code < 500, (body, response.text)
     if response.status_code >= 400:
         assert isinstance(response.json()["error"], str)
+        return
+    if path.startswith("/api/embed"):  # one JSON object, never a stream
+        field = "embeddings" if path == "/api/embed" else "embedding"
+        assert field in response.json(), (body, response.text)
         return
     lines = [json.loads(line) for line in response.text.splitlines()]
     assert lines and lines[-1]["done"] is True and all("error" not in line for line in lines), (body, lines)

@@ -7,6 +7,7 @@ import argparse
 
 from yaie.cli.options import EnvDefaults, json_object, parse_bytes, positive_int
 from yaie.config import GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
+from yaie.pooling_params import POOLING_TYPES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +83,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: the model's generation_config.json sampling defaults apply to requests that omit them "
         "(vLLM's --generation-config auto); vllm: the API's own defaults",
     )
+    add(
+        "--pooling",
+        default=defaults.pooling,
+        choices=POOLING_TYPES,
+        help="how an embedding (/v1/embeddings, /api/embed) is made from the final hidden states: last, "
+        "the last token's; mean, the average over every token",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -102,4 +110,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         generation_config=args.generation_config,
         scheduling_policy=args.scheduling_policy,
+        pooling=args.pooling,
     )

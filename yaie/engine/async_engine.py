@@ -38,6 +38,7 @@ from yaie.engine.request import deadline_after
 from yaie.engine.snapshot import EngineSnapshots
 from yaie.errors import YaieError
 from yaie.outputs import RequestOutput
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         max_waiting: int | None = None,
         *,
         priority: int = 0,
@@ -214,7 +215,7 @@ class AsyncEngine:
     async def add_requests(
         self,
         requests: Sequence[tuple[str, list[int]]],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         max_waiting: int | None = None,
         *,
         priority: int = 0,
@@ -234,7 +235,7 @@ class AsyncEngine:
     async def _add_requests(
         self,
         requests: Sequence[tuple[str, list[int]]],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         max_waiting: int | None,
         priority: int,
         deadline: float | None,
@@ -391,7 +392,7 @@ class AsyncEngine:
 
     def _add(self, command: AddRequests) -> None:
         engine = self._engine
-        num_seqs = sum(processed.params.n for _, processed in command.requests)
+        num_seqs = sum(processed.num_seqs for _, processed in command.requests)
         # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
         if command.max_waiting is not None and engine.stats().num_waiting + num_seqs > command.max_waiting:
             raise EngineOverloadedError(f"{command.max_waiting} sequences are already waiting; retry later")

@@ -50,6 +50,7 @@ from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.errors import InvalidRequestError
 from yaie.model.loader import LoadProgress, load_model, resolve_model_path
 from yaie.outputs import RequestOutput, TokenLogprob
+from yaie.pooling_params import PoolingParams
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
 from yaie.spec.config import SpeculativeConfig
@@ -97,6 +98,7 @@ class ModelInfo:
     kernel_isa: str  # the quantized kernels' ISA path (avx512vnni ... scalar); "none" if unused
     weight_bytes: int  # resident weight bytes
     kv_cache_dtype: str  # what the KV cache stores: "float32", "bfloat16", "float16"
+    hidden_size: int  # the length of the model's hidden states, and so of its embeddings
 
 
 class Engine:
@@ -129,7 +131,7 @@ class Engine:
         self.model_info = ModelInfo(
             loaded.path, self.model_config.architecture, self.max_model_len, self.model_config.vocab_size,
             loaded.quantization, loaded.kernel_isa, loaded.weight_bytes,
-            str(self.kv_dtype).removeprefix("torch."),
+            str(self.kv_dtype).removeprefix("torch."), self.model_config.hidden_size,
         )  # fmt: skip
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.kv_dtype)
         logger.info(
@@ -172,15 +174,15 @@ class Engine:
         self,
         request_id: str | None,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         timeout: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidRequestError for input we refuse.
-        `priority`: lower runs first, under the priority scheduling policy (must be 0 under
-        fcfs). `timeout`: seconds from now after which the request ends, finished or not, with
-        finish_reason "timeout"."""
+        """Queue a request, generating (SamplingParams) or pooling (PoolingParams: an embedding);
+        returns its id. Raises InvalidRequestError for input we refuse. `priority`: lower runs
+        first, under the priority scheduling policy (must be 0 under fcfs). `timeout`: seconds from
+        now after which the request ends, finished or not, with finish_reason "timeout"."""
         deadline = deadline_after(timeout)
         processed = self.input_processor.process(prompt, params or SamplingParams())
         return self.add_processed_request(request_id, processed, priority=priority, deadline=deadline)
@@ -211,6 +213,13 @@ class Engine:
         """The request with its n choices: a sequence for the scheduler each, with its own
         grammar matcher and seeded generator where the request has them."""
         params, prompt_token_ids = processed.params, processed.prompt_token_ids
+        if isinstance(params, PoolingParams):
+            if params.pooling_type is None:
+                params = replace(params, pooling_type=self.config.pooling)
+            request = Request(request_id, processed.prompt, prompt_token_ids, params, priority=priority)
+            seq = Sequence(f"{request_id}-0", prompt_token_ids, params, request_id, 0, priority)
+            request.choices.append(Choice(seq, detokenizer=None))
+            return request
         request = Request(request_id, processed.prompt, prompt_token_ids, params, priority=priority)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -340,6 +349,7 @@ class Engine:
         model_output = RunnerOutput(
             torch.cat(logits) if logits else torch.empty(0, self.model_config.vocab_size, device=self.device),
             [entry for model_output, _ in runs for entry in model_output.prompt_logits],
+            [entry for model_output, _ in runs for entry in model_output.pooled],
         )
         sampled = SamplerOutput.concat(sampled for _, sampled in runs)
         return replace(plan, scheduled=tuple(item for item, _ in kept)), model_output, sampled

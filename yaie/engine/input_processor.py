@@ -18,6 +18,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from yaie.errors import InvalidRequestError
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 from yaie.structured.backend import Grammar, GrammarCompiler
 from yaie.structured.spec import StructuredOutputs
@@ -39,8 +40,13 @@ class ProcessedRequest:
 
     prompt: str | None  # the text, when the prompt came as text
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # a generation or a pooling (embedding) request
     grammar: Grammar | None  # compiled from params.structured_outputs, when it has any
+
+    @property
+    def num_seqs(self) -> int:
+        """The sequences it becomes: one per choice (a pooling request has one)."""
+        return self.params.n if isinstance(self.params, SamplingParams) else 1
 
 
 class InputProcessor:
@@ -54,12 +60,12 @@ class InputProcessor:
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first structured request
         self._grammar_compiler_lock = threading.Lock()
 
-    def process(self, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
+    def process(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> ProcessedRequest:
         """Tokenize, check and compile; raises InvalidRequestError for input we refuse."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check(token_ids, params)
-        spec = params.structured_outputs
+        spec = params.structured_outputs if isinstance(params, SamplingParams) else None
         return ProcessedRequest(text, token_ids, params, self.compile_grammar(spec) if spec else None)
 
     def encode(self, text: str) -> list[int]:
@@ -117,7 +123,7 @@ class InputProcessor:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammar_compiler.compile(spec)
 
-    def check(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check(self, token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """What only the model knows: the vocabulary and the context length. (SamplingParams
         checks its own values.) This is the one place token ids are checked against the vocabulary."""
         if not token_ids:
@@ -125,6 +131,13 @@ class InputProcessor:
         vocab = self.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if isinstance(params, PoolingParams):  # generates nothing: the prompt alone must fit
+            if len(token_ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len}",
+                    "prompt",
+                )
+            return
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= vocab for t in ids):
                 raise InvalidRequestError(

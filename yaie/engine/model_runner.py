@@ -2,7 +2,8 @@
 
 `execute(plan)` builds the step's input tensors and `AttentionMetadata` from the plan (what each
 sequence computes, fixed when the step was planned), runs the model once, and projects only the
-rows someone needs through the LM head."""
+rows someone needs through the LM head. A pooling sequence needs no logits: it gets its part of
+the final hidden states instead (yaie/pooling_params.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yaie.engine.scheduler import SchedulerOutput
+from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
 from yaie.engine.sequence import Sequence
 from yaie.model.attention import AttentionMetadata, PrefillSeq
 from yaie.model.config import ModelConfig
@@ -26,6 +27,10 @@ class RunnerOutput:
     # For sequences that want prompt logprobs: (sequence, first target position, logits) where
     # logits row i is the prediction of prompt token `first target position + i`.
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    # Pooling sequences' part of the final hidden states, [hidden] in float32 each: the sum of
+    # the step's rows (mean pooling, summed across chunks by the output processor), or the last
+    # prompt row (last pooling, only in the step that reaches it).
+    pooled: list[tuple[ScheduledSequence, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -35,6 +40,7 @@ class _Inputs:
     meta: AttentionMetadata
     logits_rows: list[int]  # the last row of each sequence that samples (1 + k, with k drafts)
     prompt_rows: list[tuple[Sequence, int, int, int]]  # (sequence, first target, first row, rows)
+    pooling_rows: list[tuple[ScheduledSequence, int, int]]  # (a pooling sequence's part, first row, rows)
 
 
 class ModelRunner:
@@ -79,7 +85,10 @@ class ModelRunner:
         for seq, first_target, _, count in inputs.prompt_rows:
             prompt_logits.append((seq, first_target, rest[:count]))
             rest = rest[count:]
-        return RunnerOutput(sampled, prompt_logits)
+        pooled = [
+            (item, hidden[first : first + count].float().sum(0)) for item, first, count in inputs.pooling_rows
+        ]
+        return RunnerOutput(sampled, prompt_logits, pooled)
 
     def _prepare(self, plan: SchedulerOutput) -> _Inputs:
         bs = self.block_size
@@ -92,6 +101,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         logits_rows: list[int] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []
+        pooling_rows: list[tuple[ScheduledSequence, int, int]] = []
         for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
             done, table = item.num_computed_tokens, seq.block_table
@@ -112,6 +122,13 @@ class ModelRunner:
                 prefills.append(self._prefill_with_context(start, n, done, table))
             if item.samples:
                 logits_rows.extend(range(start + n - 1 - len(item.spec_token_ids), start + n))
+            pooling = seq.pooling_params
+            if pooling is not None:
+                if pooling.pooling_type == "mean":
+                    pooling_rows.append((item, start, n))
+                elif item.pools:
+                    pooling_rows.append((item, start + n - 1, 1))
+                continue
             # Row p predicts token p + 1; prompt logprobs want those predictions inside the prompt.
             wants_prompt = seq.sampling_params.prompt_logprobs is not None
             last = min(done + n, seq.num_prompt_tokens - 1)
@@ -126,7 +143,9 @@ class ModelRunner:
             meta.decode_context_lens = self._tensor(decode_lens)
             if len(decode_rows) != len(input_ids):
                 meta.decode_token_idx = self._tensor(decode_rows)
-        return _Inputs(self._tensor(input_ids), self._tensor(positions), meta, logits_rows, prompt_rows)
+        return _Inputs(
+            self._tensor(input_ids), self._tensor(positions), meta, logits_rows, prompt_rows, pooling_rows
+        )
 
     def _prefill_with_context(self, start: int, n: int, done: int, table: list[int]) -> PrefillSeq:
         """A chunk whose first `done` tokens are cached: attention reads them through the blocks

@@ -7,6 +7,10 @@ grammar, `max_tokens` and the model's context. `process` returns the sequences
 the step finished, and the engine has the scheduler release exactly those. Then each touched
 request gets a `RequestOutput` with its choices' text, deltas and logprobs.
 
+A pooling request samples nothing: its part of each step's hidden states is summed (mean
+pooling) or taken (last pooling), and the step that reaches its prompt's end makes its vector,
+normalised if asked, and finishes it: one output, `RequestOutput.pooled`.
+
 While a stop string could still be forming at the end of a choice's text, that tail is held
 back, so a stream never shows part of a stop string. A request whose deadline passed gets its
 last output from `time_out` (finish_reason "timeout"), between two steps.
@@ -25,12 +29,13 @@ from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from yaie.engine.model_runner import RunnerOutput
 from yaie.engine.request import Choice, Request
-from yaie.engine.scheduler import SchedulerOutput
+from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
 from yaie.engine.sequence import Sequence, SequenceStatus
-from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from yaie.outputs import CompletionOutput, PoolingOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import SamplerOutput, prompt_logprobs
 from yaie.sampling_params import SamplingParams
 
@@ -71,6 +76,14 @@ class OutputProcessor:
             request = requests[seq.request_id]
             with failing_alone(request):
                 self._record_prompt_logprobs(request, first_target, logits)
+        pooled_outputs = []
+        for item, part in model_output.pooled:
+            request = requests[item.seq.request_id]
+            with failing_alone(request):
+                output = self._pool(request, item, part)
+                if output is not None:
+                    finished[item.seq] = SequenceStatus.FINISHED_STOPPED
+                    pooled_outputs.append(output)
         touched: dict[str, Request] = {}
         logprobs = sampled.logprobs or [[None] * len(tokens) for tokens in sampled.token_ids]
         for seq, token_ids, token_logprobs in zip(
@@ -93,20 +106,51 @@ class OutputProcessor:
                 continue
             with failing_alone(request):
                 outputs.append(self._make_output(request))
-        return outputs + list(failed.values()), finished
+        return outputs + pooled_outputs + list(failed.values()), finished
+
+    @staticmethod
+    def _pool(request: Request, item: ScheduledSequence, part: torch.Tensor) -> RequestOutput | None:
+        """Take a pooling sequence's part of the step's hidden states (ModelRunner's `pooled`);
+        the step that reaches the prompt's end returns the request's one, finished, output."""
+        seq = item.seq
+        params = seq.pooling_params
+        assert params is not None, "the runner pools only pooling sequences"
+        vector = part
+        if params.pooling_type == "mean":
+            # A chunk from position 0 starts the sum: the first, or the first after a preemption
+            # (mean pooling takes nothing from the prefix cache, so every position is computed).
+            previous = request.pooled_sum if item.num_computed_tokens else None
+            request.pooled_sum = total = part if previous is None else previous + part
+            vector = total / seq.num_prompt_tokens
+        if not item.pools:
+            return None
+        if params.normalize:
+            vector = F.normalize(vector, dim=0)
+        request.choices[0].finish_reason = SequenceStatus.FINISHED_STOPPED.value
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[],
+            finished=True,
+            num_cached_tokens=seq.num_cached_tokens,
+            pooled=PoolingOutput(vector.tolist()),
+        )
 
     def _record_prompt_logprobs(self, request: Request, first_target: int, logits: torch.Tensor) -> None:
         known = request.prompt_logprobs
         if known is None or first_target != len(known):
             return  # a sibling's recomputed last token, or a recomputation after a preemption
         targets = torch.tensor(request.prompt_token_ids[first_target : first_target + len(logits)])
-        known.extend(prompt_logprobs(logits, targets.to(logits.device), request.params.prompt_logprobs or 0))
+        num_top = request.sampling_params.prompt_logprobs or 0
+        known.extend(prompt_logprobs(logits, targets.to(logits.device), num_top))
 
     def _append_token(
         self, request: Request, choice: Choice, token_id: int, logprob: TokenLogprob | None
     ) -> SequenceStatus | None:
         """Append one token to the choice; returns how it finished the choice, if it did."""
-        seq, params = choice.seq, request.params
+        seq, params, detokenizer = choice.seq, request.sampling_params, choice.detokenizer
+        assert detokenizer is not None, "every choice of a generation request has a detokenizer"
         seq.append_token(token_id)
         if seq.grammar is not None and not seq.grammar.accept(token_id):
             # The mask allowed only what the grammar accepts, so this is the library's failure.
@@ -120,22 +164,22 @@ class OutputProcessor:
             # As in vLLM: stop_reason names a stop token, and stays None for EOS.
             seq.stop_reason = None if token_id in self.eos_token_ids else token_id
             if seq.stop_reason is not None and params.include_stop_str_in_output:
-                choice.text += choice.detokenizer.add(token_id) + choice.detokenizer.flush()
+                choice.text += detokenizer.add(token_id) + detokenizer.flush()
         else:
-            delta = choice.detokenizer.add(token_id)
+            delta = detokenizer.add(token_id)
             if delta:
                 choice.text += delta
                 if may_stop and params.stop and self._cut_at_stop_string(choice, params, len(delta)):
                     status = SequenceStatus.FINISHED_STOPPED
         if status is None and seq.grammar is not None and seq.grammar.is_terminated():
             status = SequenceStatus.FINISHED_STOPPED  # nothing more can follow
-            choice.text += choice.detokenizer.flush()
+            choice.text += detokenizer.flush()
         if status is None and (
             (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
             or seq.num_tokens >= self.max_model_len
         ):
             status = SequenceStatus.FINISHED_LENGTH
-            choice.text += choice.detokenizer.flush()
+            choice.text += detokenizer.flush()
         if status is not None:
             choice.finish_reason = status.value
         return status
@@ -157,15 +201,19 @@ class OutputProcessor:
 
     def time_out(self, request: Request) -> RequestOutput:
         """The last output of a request whose deadline passed: each choice still going ends
-        with finish_reason "timeout", its text complete (nothing is held back any more)."""
+        with finish_reason "timeout", its text complete (nothing is held back any more). A
+        pooling request has no partial result: it fails, saying why."""
         for choice in request.choices:
             if choice.finish_reason is None:
-                choice.text += choice.detokenizer.flush()
+                if choice.detokenizer is not None:
+                    choice.text += choice.detokenizer.flush()
                 choice.finish_reason = SequenceStatus.FINISHED_TIMEOUT.value
+        if not isinstance(request.params, SamplingParams):
+            return fail(request, "the request's timeout passed before its prompt was pooled")
         return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        holdback = max((len(s) for s in request.params.stop), default=1) - 1
+        holdback = max((len(s) for s in request.sampling_params.stop), default=1) - 1
         outputs = []
         for choice in request.choices:
             seq = choice.seq

@@ -1,18 +1,24 @@
-"""A request: what a user sent (one prompt, its sampling parameters) and the n choices that
-answer it. Each choice is a `Sequence` for the scheduler plus the text the user sees."""
+"""A request: what a user sent (one prompt, its parameters) and the choices that answer it.
+Each choice is a `Sequence` for the scheduler plus the text the user sees. A pooling request
+(`PoolingParams`) has one choice, which only computes the prompt, and its vector as it builds."""
 
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from yaie.config import SCHEDULING_POLICIES
 from yaie.engine.detokenizer import IncrementalDetokenizer
 from yaie.engine.sequence import Sequence
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -20,7 +26,7 @@ class Choice:
     """One of a request's n completions: its sequence and what has been made of its tokens."""
 
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None for a pooling request: it makes no text
     text: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asked
     finish_reason: str | None = None  # set once, when the sequence finishes
@@ -34,7 +40,7 @@ class Request:
     request_id: str
     prompt: str | None  # the text, when the prompt came as text
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     choices: list[Choice] = field(default_factory=list)
     # Filled as the prompt is computed, when the request asked for prompt logprobs. Position 0
     # has nothing before it to predict it, so its entry is None (as in vLLM).
@@ -42,6 +48,15 @@ class Request:
     priority: int = 0  # under the priority policy, lower runs first (vLLM's convention)
     # The time.monotonic() instant by which the request ends, finished or not (its `timeout`).
     deadline: float | None = None
+    # A mean-pooling request's sum of final hidden states over the prompt computed so far.
+    pooled_sum: torch.Tensor | None = None
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """A generation request's parameters. Only requests whose sequences sample ask for them."""
+        if not isinstance(self.params, SamplingParams):
+            raise TypeError(f"{self.request_id} is a pooling request: it has no sampling parameters")
+        return self.params
 
     @property
     def finished(self) -> bool:

@@ -23,6 +23,11 @@ A request with n > 1 choices arrives as n sequences with the same prompt. Only t
 queued; its siblings wait until it has computed the prompt and then share its KV blocks, so the
 prompt is computed once, not n times.
 
+A pooling sequence (an embedding, yaie/pooling_params.py) is scheduled like any prompt, in
+chunks beside the others; the step that reaches its prompt's end `pools` instead of sampling,
+and the sequence finishes there, freeing its blocks (its computed prompt blocks go to the prefix
+cache like any finished prompt's). It never decodes, so it is never given drafts.
+
 `schedule()` returns the step's plan, a frozen `SchedulerOutput`: what each sequence computes,
 as of when the plan was made. With speculative decoding the scheduler's `Drafter` proposes
 draft tokens for the step's decoding sequences while the plan is made, and the plan holds as
@@ -72,15 +77,18 @@ class ScheduledSequence:
     num_computed_tokens: int = field(init=False)
     # Whether this step reaches the sequence's last known token, so a new one is sampled.
     samples: bool = field(init=False)
+    # A pooling sequence's counterpart: the step reaches the prompt's end, so its vector is made.
+    pools: bool = field(init=False)
     # Past its prompt: the step computes the last sampled token (and any drafts after it).
     decoding: bool = field(init=False)
 
     def __post_init__(self) -> None:
         seq, done = self.seq, self.seq.num_computed_tokens
         object.__setattr__(self, "num_computed_tokens", done)
-        object.__setattr__(
-            self, "samples", done + self.num_new_tokens - len(self.spec_token_ids) == seq.num_tokens
-        )
+        reaches_end = done + self.num_new_tokens - len(self.spec_token_ids) == seq.num_tokens
+        pooling = seq.pooling_params is not None
+        object.__setattr__(self, "samples", reaches_end and not pooling)
+        object.__setattr__(self, "pools", reaches_end and pooling)
         object.__setattr__(self, "decoding", done >= seq.num_prompt_tokens)
 
     @property
@@ -257,7 +265,9 @@ class Scheduler:
         evicts), so a sequence may keep only a prefix of its draft, or none."""
         assert self.drafter is not None
         decoding = [
-            seq for seq, num_new in planned if num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            seq
+            for seq, num_new in planned
+            if num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.pooling_params is None
         ]
         if not decoding or room <= 0:
             return {}
@@ -339,10 +349,11 @@ class Scheduler:
         return True
 
     def _match_prefix(self, seq: Sequence) -> None:
-        # Prompt logprobs need the logits of every prompt position, so nothing may come from cache.
-        if self.prefix_cache is None or seq.sampling_params.prompt_logprobs is not None:
+        # Prompt logprobs and mean pooling need every prompt position computed: none from cache.
+        if self.prefix_cache is None or seq.needs_every_prompt_position:
             return
-        # Leave at least the last token to compute: its logits are what we sample from.
+        # Leave at least the last token to compute: its logits (or a pooling sequence's last
+        # hidden state) are what the step is for.
         blocks = self.prefix_cache.match_prefix(seq.all_token_ids[:-1])
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size

@@ -1,11 +1,15 @@
 """One sequence: one of a request's n choices, as the scheduler runs it. Token ids and KV
-bookkeeping only, no tensors, so the scheduler that moves sequences around stays pure Python."""
+bookkeeping only, no tensors, so the scheduler that moves sequences around stays pure Python.
+
+A sequence generates (its params are `SamplingParams`) or pools (`PoolingParams`: an embedding,
+its prompt computed once and never sampled from)."""
 
 from __future__ import annotations
 
 import enum
 from typing import Any
 
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 
 
@@ -27,7 +31,7 @@ class Sequence:
         self,
         seq_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         index: int = 0,
         priority: int = 0,
@@ -36,10 +40,10 @@ class Sequence:
         self.request_id = seq_id if request_id is None else request_id  # the Request it belongs to
         self.index = index  # which of the request's n choices it is
         self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
         # Under the priority policy: lower runs first (vLLM's convention); ties go by arrival.
         self.priority = priority
         self.arrival = 0  # the scheduler's arrival order, stamped by Scheduler.add
+        self.params = params
         self.status = SequenceStatus.WAITING
         # Prompt followed by every generated token: what the KV cache must eventually hold.
         self.all_token_ids = list(prompt_token_ids)
@@ -57,6 +61,27 @@ class Sequence:
         # A grammar matcher (yaie/structured/backend.py) for a choice with structured outputs:
         # the sampler masks by it, the output processor advances it.
         self.grammar: Any = None
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """A generating sequence's parameters. Only sequences that sample ask for them."""
+        if not isinstance(self.params, SamplingParams):
+            raise TypeError(f"{self.seq_id} is a pooling sequence: it has no sampling parameters")
+        return self.params
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        """A pooling sequence's parameters; None for one that generates."""
+        return self.params if isinstance(self.params, PoolingParams) else None
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether the step's output at every prompt position is wanted (prompt logprobs, mean
+        pooling), so that no prompt token may come from the prefix cache."""
+        pooling = self.pooling_params
+        if pooling is not None:
+            return pooling.pooling_type == "mean"
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

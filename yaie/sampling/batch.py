@@ -16,11 +16,13 @@ from yaie.sampling_params import SamplingParams
 class SamplingSeq(Protocol):
     """What the sampler reads from one row of the batch; the engine's sequences provide it."""
 
-    sampling_params: SamplingParams
     prompt_token_ids: list[int]
     generator: torch.Generator | None  # set for seeded sequences
     # Set for sequences with structured outputs, and read only for those.
     grammar: MaskFiller | None
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
 
     @property
     def output_token_ids(self) -> list[int]: ...

@@ -32,6 +32,8 @@ from yaie import generation_config
 from yaie.config import GENERATION_CONFIGS
 from yaie.engine.async_engine import AsyncEngine
 from yaie.errors import InvalidRequestError
+from yaie.outputs import RequestOutput
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 from yaie.server import anthropic_protocol as anthropic
 from yaie.server import protocol as p
@@ -73,6 +75,14 @@ class ServerLimits:
 # A prompt longer than this many characters per token of context cannot fit, whatever it says
 # (tokens average about 4 characters), so it is refused before anyone pays to tokenize it.
 MAX_CHARS_PER_TOKEN = 16
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """What a call's pooling requests made: one vector per input, and the tokens they read."""
+
+    vectors: list[list[float]]
+    num_tokens: int
 
 
 class OpenAIServer:
@@ -211,6 +221,64 @@ class OpenAIServer:
             return event_stream(completion.chunks(generation), OPENAI_EVENTS)
         finals = await generation.final_outputs()
         return _json(await completion.response(finals, generation.usage()))
+
+    async def embeddings(self, body: p.EmbeddingRequest, request: Request) -> Response:
+        """One vector per input from the served model (pooling: yaie/pooling_params.py)."""
+        self._check_model(body.model)
+        body.check_dimensions(self.engine.model_info.hidden_size)
+        prompts = body.prompts()
+        embedded = await self._embed(request, prompts, PoolingParams(normalize=body.normalize), "input")
+        data = [
+            p.Embedding(index=i, embedding=p.encode_embedding(vector, body.encoding_format))
+            for i, vector in enumerate(embedded.vectors)
+        ]
+        usage = p.EmbeddingUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens)
+        return _json(p.EmbeddingResponse(data=data, model=self.model_name, usage=usage))
+
+    async def _embed(
+        self,
+        request: Request,
+        prompts: Sequence[str | list[int]],
+        params: PoolingParams,
+        param: str,
+        truncate: bool = False,
+    ) -> Embedded:
+        """Pooling requests for `prompts` (texts or token ids), batched through the engine with
+        everyone else's; their vectors, in order. `param`: the request's field, for errors;
+        `truncate`: cut inputs longer than the context to fit (Ollama's), else refuse them."""
+        names = [param if len(prompts) == 1 else f"{param}[{i}]" for i in range(len(prompts))]
+        if self.limits.max_waiting is not None and len(prompts) > self.limits.max_waiting:
+            raise InvalidRequestError(
+                f"{param}: {len(prompts)} inputs are more than the {self.limits.max_waiting} this server "
+                "lets wait at once",
+                param,
+            )
+        for name, prompt in zip(names, prompts, strict=True):
+            if isinstance(prompt, str):
+                self._check_chars([prompt], name)
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        encoded = iter(await asyncio.gather(*(self.engine.encode(text) for text in texts)))
+        token_ids = [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
+        context, vocab_size = self.engine.max_model_len, self.engine.vocab_size
+        for i, (name, ids) in enumerate(zip(names, token_ids, strict=True)):
+            if not ids:
+                raise InvalidRequestError(f"{name}: must not be empty", name)
+            if not 0 <= min(ids) <= max(ids) < vocab_size:
+                raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab_size})", name)
+            if len(ids) > context and truncate:
+                token_ids[i] = ids[:context]
+            elif len(ids) > context:
+                raise InvalidRequestError(
+                    f"{name}: {len(ids)} tokens, more than this model's context of {context}", name
+                )
+        request_id = f"embd-{uuid.uuid4().hex}"
+        requests = [(f"{request_id}-{i}", ids) for i, ids in enumerate(token_ids)]
+        trackers = [RequestTracker(self.metrics) for _ in requests]
+        streams = await self.engine.add_requests(requests, params, self.limits.max_waiting)
+        finals = await Generation(request, streams, trackers, 1, self.metrics).final_outputs()
+        return Embedded(
+            [_pooled(final) for final in finals], sum(len(final.prompt_token_ids) for final in finals)
+        )
 
     # -- OpenAI's Responses API (responses.py) --
 
@@ -358,6 +426,7 @@ def build_app(
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     # ":path": a served name may hold slashes (Qwen/Qwen3-0.6B), as the client sends it unescaped.
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
+    app.add_api_route("/v1/embeddings", server.embeddings, methods=["POST"])
     app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
@@ -373,6 +442,8 @@ def build_app(
     ollama = OllamaAPI(server)
     app.add_api_route("/api/chat", ollama.chat, methods=["POST"])
     app.add_api_route("/api/generate", ollama.generate, methods=["POST"])
+    app.add_api_route("/api/embed", ollama.embed, methods=["POST"])
+    app.add_api_route("/api/embeddings", ollama.embeddings, methods=["POST"])
     app.add_api_route("/api/tags", ollama.tags, methods=["GET"])
     app.add_api_route("/api/ps", ollama.ps, methods=["GET"])
     app.add_api_route("/api/show", ollama.show, methods=["POST"])
@@ -384,6 +455,12 @@ def build_app(
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key, public_paths=PUBLIC_PATHS)
     return app
+
+
+def _pooled(output: RequestOutput) -> list[float]:
+    # A failed request ends its stream with an error instead, so a finished output has its vector.
+    assert output.pooled is not None, "a pooling request's finished output carries its vector"
+    return output.pooled.data
 
 
 def _json(model: BaseModel) -> Response:

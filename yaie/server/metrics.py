@@ -134,13 +134,17 @@ class RequestTracker:
         metrics, now = self.metrics, time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.time_to_first_token.observe(now - self.arrival)
+            if output.pooled is None:  # an embedding has no first token
+                metrics.time_to_first_token.observe(now - self.arrival)
             metrics.prompt_tokens.inc(len(output.prompt_token_ids))
             metrics.observe_prefix_cache(len(output.prompt_token_ids), output.num_cached_tokens)
         metrics.tokens_generated.inc(sum(len(choice.delta_token_ids) for choice in output.outputs))
         if not output.finished:
             return
         metrics.request_latency.observe(now - self.arrival)
+        if output.pooled is not None:  # an embedding: made in one pass, nothing decoded
+            metrics.request_success.labels(finish_reason="stop").inc()
+            return
         num_decode_steps = max(len(choice.token_ids) for choice in output.outputs) - 1
         if num_decode_steps > 0:
             metrics.time_per_output_token.observe((now - self.first_token_at) / num_decode_steps)

@@ -1,6 +1,7 @@
 """Ollama's API over the served model, for Open WebUI, editors and the `ollama` client:
 /api/chat and /api/generate (streamed as NDJSON, one JSON object per line, by default; whole
-when `stream` is false), /api/tags, /api/ps, /api/show and /api/version.
+when `stream` is false), /api/embed and /api/embeddings, /api/tags, /api/ps, /api/show and
+/api/version.
 
 A chat request becomes the chat completion request it asks for, and a generate request the text
 completion of its prompt's tokens (ollama_protocol.py), so both take the same path to a prompt,
@@ -29,6 +30,7 @@ from pydantic import BaseModel
 
 import yaie
 from yaie.errors import InvalidRequestError
+from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 from yaie.server import ollama_protocol as o
 from yaie.server.errors import APIError, ClientDisconnected, api_error
@@ -297,6 +299,45 @@ class OllamaAPI:
         if body.streams:
             return ndjson(reply.chunks(generation))
         return _json(await reply.whole(generation))
+
+    async def embed(self, request: Request) -> Response:
+        return await self._answer(lambda: self._embed(request))
+
+    async def _embed(self, request: Request) -> Response:
+        arrival = time.perf_counter_ns()
+        body: o.EmbedRequest = o.parse(o.EmbedRequest, await _body(request))
+        self._check_model(body.model)
+        size = self.engine.model_info.hidden_size
+        if body.dimensions is not None and body.dimensions != size:
+            raise InvalidRequestError(
+                f"dimensions: this model's embeddings have {size} dimensions and cannot be shortened",
+                "dimensions",
+            )
+        inputs = body.inputs()
+        if not inputs:
+            return _json(o.EmbedResponse(model=body.model, embeddings=[]))
+        embedded = await self.server._embed(request, inputs, PoolingParams(), "input", truncate=body.truncate)
+        return _json(
+            o.EmbedResponse(
+                model=body.model,
+                embeddings=embedded.vectors,
+                total_duration=time.perf_counter_ns() - arrival,
+                load_duration=0,
+                prompt_eval_count=embedded.num_tokens,
+            )
+        )
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self._answer(lambda: self._embeddings(request))
+
+    async def _embeddings(self, request: Request) -> Response:
+        body: o.EmbeddingsRequest = o.parse(o.EmbeddingsRequest, await _body(request))
+        self._check_model(body.model)
+        if not body.prompt:
+            return _json(o.EmbeddingResponse(embedding=[]))
+        params = PoolingParams(normalize=False)
+        embedded = await self.server._embed(request, [body.prompt], params, "prompt", truncate=True)
+        return _json(o.EmbeddingResponse(embedding=embedded.vectors[0]))
 
     async def tags(self) -> Response:
         return _json(o.ModelList(models=[self.entry]))

@@ -252,9 +252,34 @@ class ShowRequest(OllamaModel):
     verbose: bool | None = None
 
 
+class EmbedRequest(OllamaModel):
+    """/api/embed: one L2-normalised vector per input, as Ollama's."""
+
+    model: Text
+    input: Text | list[Text] = []  # "" or []: nothing to embed (Ollama's way to load a model)
+    truncate: bool = True  # cut an input longer than the context to fit (Ollama's default), else 400
+    dimensions: int | None = None
+    options: Options | None = None  # accepted: none of them applies to an embedding
+    keep_alive: Text | float | None = None  # accepted: the model is always loaded
+
+    def inputs(self) -> list[str]:
+        if isinstance(self.input, str):
+            return [self.input] if self.input else []
+        return list(self.input)
+
+
+class EmbeddingsRequest(OllamaModel):
+    """/api/embeddings, Ollama's older endpoint: one prompt's vector, not normalised (as Ollama's)."""
+
+    model: Text
+    prompt: Text = ""  # "": nothing to embed
+    options: Options | None = None
+    keep_alive: Text | float | None = None
+
+
 REQUESTS: tuple[type[BaseModel], ...] = (
-    ChatRequest, GenerateRequest, ShowRequest, Options, Message, ToolCallIn, FunctionCallIn,
-    p.Tool, p.FunctionDefinition, p.NamedToolChoice, p.NamedFunction,
+    ChatRequest, GenerateRequest, ShowRequest, EmbedRequest, EmbeddingsRequest, Options, Message,
+    ToolCallIn, FunctionCallIn, p.Tool, p.FunctionDefinition, p.NamedToolChoice, p.NamedFunction,
 )  # fmt: skip
 FIELD_NAMES = p.field_names(REQUESTS)
 
@@ -348,6 +373,19 @@ class Chunk(BaseModel):
 
     def line(self) -> str:
         return self.model_dump_json(exclude_none=True) + "\n"
+
+
+class EmbedResponse(BaseModel):
+    model: str
+    embeddings: list[list[float]]
+    # Nanoseconds, as Chunk's: the model is always loaded, so load_duration is 0.
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+
+
+class EmbeddingResponse(BaseModel):
+    embedding: list[float]
 
 
 class ModelDetails(BaseModel):

@@ -11,11 +11,13 @@ server has one (yaie/generation_config.py), else SamplingParams' own.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -426,6 +428,55 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
+
+
+class EmbeddingRequest(OpenAIModel):
+    """/v1/embeddings: one vector per input, from the served model's final hidden states."""
+
+    input: Text | list[Text] | list[int] | list[list[int]]
+    model: Text | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: Text | None = None
+    normalize: bool = True  # vLLM's extra field: False returns the vectors as pooled
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per input: a text, a list of texts, token ids, or a list of token id lists."""
+        raw = self.input
+        entries: list[str | list[int]]
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):  # one text, or one list of ids
+            entries = [raw]
+        else:
+            entries = list(cast("list[str] | list[list[int]]", raw))
+        if not entries:
+            raise InvalidRequestError("input: must not be empty", "input")
+        if len(entries) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError(
+                f"input: at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(entries)}", "input"
+            )
+        for i, entry in enumerate(entries):
+            if not entry:
+                raise InvalidRequestError(
+                    f"{_input_name(i, len(entries))}: must not be empty", _input_name(i, len(entries))
+                )
+        return entries
+
+    def check_dimensions(self, size: int) -> None:
+        """A decoder's hidden state is not trained to be cut short (no Matryoshka training), so
+        `dimensions` is refused unless it asks for the size the vectors have anyway."""
+        if self.dimensions is not None and self.dimensions != size:
+            raise InvalidRequestError(
+                f"dimensions: this model's embeddings have {size} dimensions and cannot be shortened; "
+                f"leave dimensions out or set it to {size}",
+                "dimensions",
+            )
+
+
+def _input_name(index: int, count: int) -> str:
+    return "input" if count == 1 else f"input[{index}]"
+
+
 # -- responses --------------------------------------------------------------------------------
 
 
@@ -571,6 +622,32 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a string: base64 of the little-endian float32 values
+
+
+def encode_embedding(vector: Sequence[float], encoding_format: str) -> list[float] | str:
+    """A vector as `encoding_format` asks: the floats, or base64 of their little-endian float32
+    bytes (OpenAI's "base64", which the openai client decodes with numpy's float32)."""
+    if encoding_format == "float":
+        return list(vector)
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -639,6 +716,7 @@ _REQUESTS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ChatMessage,
     TextPart,
     StreamOptions,
