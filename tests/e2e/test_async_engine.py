@@ -88,9 +88,9 @@ def test_nothing_calls_the_engine_off_its_thread(llm: LLM, monkeypatch: pytest.M
     callers: dict[str, set[str]] = {}
 
     def recording(name: str, original: Callable[..., object]) -> Callable[..., object]:
-        def call(*args: object) -> object:
+        def call(*args: object, **kwargs: object) -> object:
             callers.setdefault(name, set()).add(threading.current_thread().name)
-            return original(*args)
+            return original(*args, **kwargs)
 
         return call
 

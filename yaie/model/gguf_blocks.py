@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from yaie.ops.kquant_layout import KQuantFields
-from yaie.ops.quant_layout import BLOCK, Unpacked
+from yaie.ops.quant_layout import Unpacked
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -33,18 +33,18 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _unpack_q8_0(blocks: np.ndarray) -> Unpacked:
     d = _fp16(blocks, 0)
-    return Unpacked(blocks[..., 2:].copy().view(np.int8), d[..., 0], None, BLOCK)
+    return Unpacked(blocks[..., 2:].copy().view(np.int8), d[..., 0], None)
 
 
 def _unpack_q4_0(blocks: np.ndarray) -> Unpacked:
     # d * (q - 8) == d * q + (-8 d) exactly: both products are exact in float32.
     d = _fp16(blocks, 0)
-    return Unpacked(_nibbles(blocks[..., 2:]), d[..., 0], -8 * d[..., 0], BLOCK)
+    return Unpacked(_nibbles(blocks[..., 2:]), d[..., 0], -8 * d[..., 0])
 
 
 def _unpack_q4_1(blocks: np.ndarray) -> Unpacked:
     d, m = _fp16(blocks, 0), _fp16(blocks, 2)
-    return Unpacked(_nibbles(blocks[..., 4:]), d[..., 0], m[..., 0], BLOCK)
+    return Unpacked(_nibbles(blocks[..., 4:]), d[..., 0], m[..., 0])
 
 
 def _high_bits(bits: np.ndarray, count: int) -> np.ndarray:
@@ -61,7 +61,7 @@ def _unpack_q5_0(blocks: np.ndarray) -> Unpacked:
     d = _fp16(blocks, 0)
     high = np.swapaxes(_high_bits(blocks[..., 2:6], 8), -1, -2)  # [..., byte, bit]: value 8 byte + bit
     q = _nibbles(blocks[..., 6:]) | (high.reshape(*blocks.shape[:-1], 32) << 4)
-    return Unpacked((q.astype(np.int16) - 16).astype(np.int8), d[..., 0], None, BLOCK)
+    return Unpacked((q.astype(np.int16) - 16).astype(np.int8), d[..., 0], None)
 
 
 # IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a 4-bit index picks one.
@@ -71,7 +71,7 @@ _IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
 def _unpack_iq4_nl(blocks: np.ndarray) -> Unpacked:
     """d, then 4-bit indices into _IQ4_LEVELS laid out as Q4_0's values; w = d * level."""
     d = _fp16(blocks, 0)
-    return Unpacked(_IQ4_LEVELS[_nibbles(blocks[..., 2:])], d[..., 0], None, BLOCK)
+    return Unpacked(_IQ4_LEVELS[_nibbles(blocks[..., 2:])], d[..., 0], None)
 
 
 def _unpack_iq4_xs(blocks: np.ndarray) -> Unpacked:
@@ -84,7 +84,7 @@ def _unpack_iq4_xs(blocks: np.ndarray) -> Unpacked:
     low = np.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], axis=-1).reshape(*lead, 8)
     scales = (low | ((high & 0x03).astype(np.uint8) << 4)).astype(np.float32) - 32
     values = _IQ4_LEVELS[_nibbles(blocks[..., 8:].reshape(*lead, 8, 16))]
-    return Unpacked(values.reshape(*lead, 256), d * scales, None, BLOCK)
+    return Unpacked(values.reshape(*lead, 256), d * scales, None)
 
 
 _UNPACKERS = {
@@ -198,4 +198,4 @@ def unpack_gguf(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int,
         raise ValueError(f"quantized weights of type {ggml_type.name} are not supported (supported: {names})")
     u = _UNPACKERS[ggml_type](_blocks(data, ggml_type, out_features, in_features))
     mins = None if u.mins is None else u.mins.reshape(out_features, -1)
-    return Unpacked(u.values.reshape(out_features, -1), u.scales.reshape(out_features, -1), mins, u.block)
+    return Unpacked(u.values.reshape(out_features, -1), u.scales.reshape(out_features, -1), mins)

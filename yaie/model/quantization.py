@@ -25,7 +25,7 @@ from yaie.model.llama import CausalLM
 from yaie.model.quantized_linear import KQuantLinear, QuantizedLinear
 from yaie.ops.quant_layout import Unpacked
 
-GROUP_SIZE = 32  # values per scale of int8 / int4 at load: the finer of the kernels' two
+GROUP_SIZE = 32  # values per scale of int8 / int4 at load: the kernels' block
 
 
 def fuse(shards: list[Unpacked]) -> Unpacked | None:
@@ -33,11 +33,9 @@ def fuse(shards: list[Unpacked]) -> Unpacked | None:
     layouts cannot share one packed weight (4-bit with mins beside 8-bit without)."""
     if len({u.mins is None for u in shards}) > 1:
         return None
-    block = min(u.block for u in shards)
-    # A scale per 32 values is a scale per 16 given twice: Q8_0 and Q6_K rows stack at 16.
-    scales = [np.repeat(u.scales, u.block // block, axis=1) for u in shards]
     mins = None if shards[0].mins is None else np.concatenate([u.mins for u in shards if u.mins is not None])
-    return Unpacked(np.concatenate([u.values for u in shards]), np.concatenate(scales), mins, block)
+    values, scales = np.concatenate([u.values for u in shards]), np.concatenate([u.scales for u in shards])
+    return Unpacked(values, scales, mins)
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -3,8 +3,7 @@
 
 "Packing" in yaie means one thing: laying a weight out for the kernel that multiplies by it. Here
 that is 4-bit values with a scale and a min per 32 (Q4_0, Q4_1, int4) or 8-bit values with a
-scale per 32 (Q8_0, int8, Q5_0, IQ4_NL, IQ4_XS; the kernels also take a scale per 16, which no
-format uses since the K-quants moved to yaie/ops/kquant_layout.py), rows in groups of
+scale per 32 (Q8_0, int8, Q5_0, IQ4_NL, IQ4_XS), rows in groups of
 GROUP_ROWS; for a dense weight it is oneDNN's blocked layout (yaie/model/linear.py). Scales and
 mins are kept in float16 where all of a weight's are exactly float16 (Q4_0, Q4_1 and Q8_0 store
 them so), else in float32, so every format's dequantized weights are exactly what the `gguf`
@@ -39,14 +38,13 @@ TILE_ROWS = 256
 class Unpacked:
     """One weight's values and scales in row order, before packing: w = scale * q + min.
 
-    values: uint8 [N, K] in 0..15 (4-bit) or int8 [N, K]; scales: float32 [N, K / block];
+    values: uint8 [N, K] in 0..15 (4-bit) or int8 [N, K]; scales: float32 [N, K / 32];
     mins: float32 [N, K / 32] for 4-bit weights, else None.
     """
 
     values: np.ndarray
     scales: np.ndarray
     mins: np.ndarray | None
-    block: int
 
 
 def pack_weight(unpacked: Unpacked) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -71,10 +69,8 @@ def pack_weight(unpacked: Unpacked) -> tuple[torch.Tensor, torch.Tensor, torch.T
     else:
         qweight = grouped(unpacked.values, BLOCK).reshape(groups, blocks, 128)
         mins = None
-    per_block = BLOCK // unpacked.block
-    # Scales per 16 go as the four rows' first halves, then their second halves.
-    scales = grouped(unpacked.scales.astype(np.float32), per_block).transpose(0, 1, 3, 2)
-    scales_t = torch.from_numpy(np.ascontiguousarray(scales.reshape(groups, blocks, 4 * per_block)))
+    scales = grouped(unpacked.scales.astype(np.float32), 1)
+    scales_t = torch.from_numpy(np.ascontiguousarray(scales.reshape(groups, blocks, GROUP_ROWS)))
     if _exact_in_float16(scales_t) and (mins is None or _exact_in_float16(mins)):
         # A one-row matmul is bound by reading memory: a 4-bit weight is then 5 bits a value, not 6.
         scales_t, mins = scales_t.half(), None if mins is None else mins.half()
@@ -98,9 +94,8 @@ def dequantize_groups(
         q = torch.cat([pairs & 0x0F, pairs >> 4], dim=3).view(groups, blocks, GROUP_ROWS, BLOCK).float()
         w = q * scales.float()[..., None] + mins.float()[..., None]
     else:
-        q = qweight.view(groups, blocks, GROUP_ROWS, 2, BLOCK // 2).float()
-        halves = scales.float().view(groups, blocks, -1, GROUP_ROWS).transpose(2, 3)  # [.., rows, 1 or 2]
-        w = (q * halves[..., None]).view(groups, blocks, GROUP_ROWS, BLOCK)
+        q = qweight.view(groups, blocks, GROUP_ROWS, BLOCK).float()
+        w = q * scales.float()[..., None]
     return w.permute(0, 2, 1, 3).reshape(groups, GROUP_ROWS, blocks * BLOCK)
 
 

@@ -9,8 +9,7 @@
 //          one AND and one shift yield two rows' blocks. w = scale * q + min, q in 0..15.
 //   8-bit  qweight int8  [groups, K/32, 128]: the four rows' 32 values one after another.
 //          w = scale * q.
-//   scales [groups, K/32, 4]: one per row and 32-block; or [groups, K/32, 8] for 8-bit weights
-//          scaled per 16 values (Q6_K): the four rows' first halves, then second halves.
+//   scales [groups, K/32, 4]: one per row and 32-block.
 //   mins   [groups, K/32, 4], 4-bit only.
 //   Scales and mins are float16 where every one of a weight's values is exactly a float16 (GGUF's
 //   Q4_0, Q4_1 and Q8_0 store them so), else float32: at one row the matmul is bound by reading
@@ -37,7 +36,6 @@ struct PackedWeights {
   int64_t groups;
   int64_t blocks;      // K / 32
   int bits;            // 4 or 8
-  int weight_block;    // values per scale: 32, or 16 (8-bit only)
   bool half_scales;
 };
 

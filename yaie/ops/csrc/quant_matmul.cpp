@@ -1,6 +1,7 @@
 // Matmuls with quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x fp32, W packed as
-// quant_common.h describes (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K, or int8 / int4 quantized at
-// load, all packed into two formats by yaie/ops/quant_layout.py).
+// quant_common.h describes (GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / IQ4_XS, AWQ / GPTQ int4, or
+// int8 / int4 quantized at load, all packed into two formats by yaie/ops/quant_layout.py; the
+// K-quants have their own kernels, kquant.cpp).
 //
 // Few rows (decoding): each activation row is quantized once to int8 blocks of 32, then every
 // block is an integer dot product and one scale FMA (plus one for the min of 4-bit weights), in
@@ -38,7 +39,6 @@ float stored_float(const void* values, int64_t i, bool half) {
 void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                    int64_t ldy) {
   const int64_t bytes = w.bits == 4 ? 64 : 128;
-  const int64_t scales_per_block = w.weight_block == 32 ? 4 : 8;
   for (int64_t g = first; g < last; ++g) {
     for (int64_t m = 0; m < x.rows; ++m) {
       for (int64_t r = 0; r < kGroupRows; ++r) {
@@ -48,19 +48,16 @@ void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first
           const int64_t xb = m * x.blocks + b;
           const uint8_t* qw = w.qweight + wb * bytes;
           const int8_t* xq = x.q + xb * kBlock;
-          int32_t halves[2] = {0, 0};  // values 0-15 and 16-31
-          for (int64_t i = 0; i < kBlock; ++i) {
-            const int32_t q = w.bits == 4 ? (qw[(r / 2) * 32 + i] >> (4 * (r % 2))) & 0x0F
-                                          : static_cast<int8_t>(qw[r * 32 + i]);
-            halves[i / 16] += q * xq[i];
-          }
-          const int64_t scale = wb * scales_per_block + r;
-          if (w.weight_block == 32) {
-            acc += static_cast<float>(halves[0] + halves[1]) * (stored_float(w.scales, scale, w.half_scales) * x.d[xb]);
+          int32_t dot = 0;
+          if (w.bits == 4) {
+            const uint8_t* pair = qw + (r / 2) * 32;
+            const int shift = 4 * (r % 2);
+            for (int64_t i = 0; i < kBlock; ++i) dot += ((pair[i] >> shift) & 0x0F) * xq[i];
           } else {
-            acc += static_cast<float>(halves[0]) * (stored_float(w.scales, scale, w.half_scales) * x.d[xb]);
-            acc += static_cast<float>(halves[1]) * (stored_float(w.scales, scale + 4, w.half_scales) * x.d[xb]);
+            const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
+            for (int64_t i = 0; i < kBlock; ++i) dot += q[i] * xq[i];
           }
+          acc += static_cast<float>(dot) * (stored_float(w.scales, wb * 4 + r, w.half_scales) * x.d[xb]);
           if (w.bits == 4) acc += stored_float(w.mins, wb * 4 + r, w.half_scales) * x.s[xb];
         }
         y[m * ldy + g * kGroupRows + r] = acc;
@@ -174,7 +171,7 @@ PackedWeights packed_view(const at::Tensor& qweight, const at::Tensor& scales, c
   TORCH_CHECK(scales.size(0) == qweight.size(0) && scales.size(1) == qweight.size(1),
               "scales and qweight disagree on groups or blocks");
   PackedWeights w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), nullptr, qweight.size(0),
-                  qweight.size(1), 0, 32, scales.scalar_type() == at::kHalf};
+                  qweight.size(1), 0, scales.scalar_type() == at::kHalf};
   if (qweight.scalar_type() == at::kByte && qweight.size(2) == 64) {
     w.bits = 4;
     TORCH_CHECK(scales.size(2) == 4, "4-bit weights take one scale per 32 values");
@@ -185,10 +182,9 @@ PackedWeights packed_view(const at::Tensor& qweight, const at::Tensor& scales, c
   } else {
     TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(2) == 128,
                 "qweight must be uint8 [groups, K/32, 64] (4-bit) or int8 [groups, K/32, 128] (8-bit)");
-    TORCH_CHECK(scales.size(2) == 4 || scales.size(2) == 8, "8-bit weights take 4 or 8 scales per group block");
+    TORCH_CHECK(scales.size(2) == 4, "8-bit weights take one scale per 32 values");
     TORCH_CHECK(!mins.has_value(), "8-bit weights have no mins");
     w.bits = 8;
-    w.weight_block = scales.size(2) == 4 ? 32 : 16;
   }
   return w;
 }
@@ -229,12 +225,11 @@ namespace {
 // Row r (0-3) of group g, all its K values as floats, into out.
 void dequantize_row(const PackedWeights& w, int64_t g, int64_t r, float* out) {
   const int64_t bytes = w.bits == 4 ? 64 : 128;
-  const int64_t scales_per_block = w.weight_block == 32 ? 4 : 8;
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int64_t wb = g * w.blocks + b;
     const uint8_t* qw = w.qweight + wb * bytes;
     float* o = out + b * kBlock;
-    const float scale = stored_float(w.scales, wb * scales_per_block + r, w.half_scales);
+    const float scale = stored_float(w.scales, wb * 4 + r, w.half_scales);
     if (w.bits == 4) {
       const uint8_t* pair = qw + (r / 2) * 32;
       const int shift = 4 * (r % 2);
@@ -242,9 +237,7 @@ void dequantize_row(const PackedWeights& w, int64_t g, int64_t r, float* out) {
       for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>((pair[i] >> shift) & 0x0F) + min;
     } else {
       const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
-      // Per-16 scales (Q6_K): the four rows' first halves' scales, then their second halves'.
-      const float second = w.weight_block == 32 ? scale : stored_float(w.scales, wb * scales_per_block + 4 + r, w.half_scales);
-      for (int64_t i = 0; i < kBlock; ++i) o[i] = (i < 16 ? scale : second) * static_cast<float>(q[i]);
+      for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>(q[i]);
     }
   }
 }

@@ -9,9 +9,8 @@
 // dot_u8_i8 is maddubs + madd on AVX2 and one vpdpbusd with VNNI; everything else is AVX2.
 
 // The four rows' block dot products as 8 int32 lanes: lanes 0-3 the rows' values 0-15, lanes
-// 4-7 their values 16-31 (every step stays within its 128-bit half). With per-32 scales both
-// halves take the same scale (or are added first: pair_dots); with per-16 scales (Q6_K) each its
-// own. The rows are summed with unpacks and adds rather than hadd, which costs more than the dot
+// 4-7 their values 16-31 (every step stays within its 128-bit half). Both halves take the same
+// scale (or are added first: pair_dots). The rows are summed with unpacks and adds rather than hadd, which costs more than the dot
 // products on some x86 cores (AMD's) and no less on the others.
 static inline __m256i dot_4rows(const __m256i w[4], __m256i x, bool signed_weights) {
   __m256i d[4];
@@ -98,15 +97,13 @@ constexpr int64_t kPrefetchBlocks = 32;
 
 // One group of four weight rows against kRows activation rows starting at m, a block at a time:
 // the weights are unpacked once per block and used for every row, the register blocking of the
-// many-row case. Also the one-row case of 8-bit weights with a scale per 16 values (Q6_K), whose
-// halves take their own scales.
-template <int kBits, int kWeightBlock, int kRows, typename Scale>
+// many-row case.
+template <int kBits, int kRows, typename Scale>
 static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
                               int64_t ldy) {
   constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
-  constexpr int64_t kScales = kWeightBlock == 32 ? 4 : 8;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
-  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * kScales;
+  const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 4;
   const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
 
   __m256 acc[kRows];  // lanes 0-3 the rows' sums over values 0-15 of each block, 4-7 over 16-31
@@ -114,13 +111,8 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m256i wq[4];
     unpack_block<kBits>(qw + b * kBytes, wq);
-    __m256 scale;
-    if constexpr (kWeightBlock == 32) {
-      const __m128 four = load4(scales + b * 4);
-      scale = _mm256_set_m128(four, four);
-    } else {
-      scale = load8(scales + b * 8);
-    }
+    const __m128 four = load4(scales + b * 4);
+    const __m256 scale = _mm256_set_m128(four, four);
     // The min term is added once per row: in the low half only.
     __m256 min = _mm256_setzero_ps();
     if constexpr (kBits == 4) min = _mm256_insertf128_ps(min, load4(mins + b * 4), 0);
@@ -137,8 +129,7 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
   }
 }
 
-// group_rows for one activation row and weights with a scale per 32 values (every type but
-// Q6_K), two blocks at a time: a pair's eight dot products take one scale load and multiply
+// group_rows for one activation row, two blocks at a time: a pair's eight dot products take one scale load and multiply
 // (pair_dots), where a block at a time spends as much on its four scales as on its products.
 // With several rows the scales are shared by all of them, and two blocks' unpacked weights
 // would not leave registers for four rows: group_rows keeps that case.
@@ -178,19 +169,13 @@ static inline void group_row_pairs(const PackedWeights& w, const QuantizedRows& 
   _mm_storeu_ps(y + g * 4, sum);
 }
 
-template <int kBits, int kWeightBlock, typename Scale>
+template <int kBits, typename Scale>
 static void groups_all_rows(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                             int64_t ldy) {
   for (int64_t g = first; g < last; ++g) {
     int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kWeightBlock, 4, Scale>(w, x, g, m, y, ldy);
-    for (; m < x.rows; ++m) {
-      if constexpr (kWeightBlock == 32) {
-        group_row_pairs<kBits, Scale>(w, x, g, m, y + m * ldy);
-      } else {
-        group_rows<kBits, kWeightBlock, 1, Scale>(w, x, g, m, y, ldy);
-      }
-    }
+    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, 4, Scale>(w, x, g, m, y, ldy);
+    for (; m < x.rows; ++m) group_row_pairs<kBits, Scale>(w, x, g, m, y + m * ldy);
   }
 }
 
@@ -198,11 +183,9 @@ template <typename Scale>
 static void matmul_scaled(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                           int64_t ldy) {
   if (w.bits == 4) {
-    groups_all_rows<4, 32, Scale>(w, x, first, last, y, ldy);
-  } else if (w.weight_block == 32) {
-    groups_all_rows<8, 32, Scale>(w, x, first, last, y, ldy);
+    groups_all_rows<4, Scale>(w, x, first, last, y, ldy);
   } else {
-    groups_all_rows<8, 16, Scale>(w, x, first, last, y, ldy);
+    groups_all_rows<8, Scale>(w, x, first, last, y, ldy);
   }
 }
 

@@ -105,9 +105,9 @@ void matmul_avxvnni(const PackedWeights& w, const QuantizedRows& x, int64_t firs
 
 void matmul_avx512vnni(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                        int64_t ldy) {
-  // Several rows: sixteen weight rows a register (quant_avx512.cpp) for every whole four groups,
-  // except with Q6_K's scale per 16 values; the rest here.
-  if (x.rows >= 2 && w.weight_block == 32) first = matmul_many_rows_avx512vnni(w, x, first, last, y, ldy);
+  // Several rows: sixteen weight rows a register (quant_avx512.cpp) for every whole four groups;
+  // the rest here.
+  if (x.rows >= 2) first = matmul_many_rows_avx512vnni(w, x, first, last, y, ldy);
   avx512vnni::matmul_impl(w, x, first, last, y, ldy);
 }
 
