@@ -100,28 +100,32 @@ def windows(token_ids: list[int], size: int) -> list[list[int]]:
     return [token_ids[start : start + size] for start in range(0, len(token_ids) - size + 1, size)]
 
 
-def window_nlls(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
-    """Per window, the negative log-likelihood of each token after the first."""
+def window_nlls(llm: LLM, prompts: list[list[int]], first: int = 1) -> list[list[float]]:
+    """Per window, the negative log-likelihood of each token from position `first` (>= 1) on."""
     # One token is generated because a request must generate; only the prompt's logprobs count.
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     nlls = []
     for output in llm.generate(prompts, params):
         assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
-        scored = output.prompt_logprobs[1:]
-        ids = output.prompt_token_ids[1:]
+        scored = output.prompt_logprobs[first:]
+        ids = output.prompt_token_ids[first:]
         # The logprob reported must be that of the text's own next token.
         assert all(lp is not None and lp.token_id == t for lp, t in zip(scored, ids, strict=True))
         nlls.append([-lp.logprob for lp in scored if lp is not None])
     return nlls
 
 
-def score(variant: Variant, model: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def score(
+    variant: Variant, model: str, prompts: list[list[int]], args: argparse.Namespace, first: int = 1
+) -> dict[str, Any]:
+    """Load `model` as `variant` says, with add_engine_args' options, and score each prompt's
+    tokens from position `first` on."""
     llm = LLM(
         model, quantization=variant.quantization, kv_cache_memory=512 * 2**20,
         kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
     info = llm.engine.model_info
-    per_window = window_nlls(llm, prompts)
+    per_window = window_nlls(llm, prompts, first)
     del llm
     gc.collect()  # the next variant's weights replace these ones, not join them
     tokens = sum(len(w) for w in per_window)
@@ -139,6 +143,23 @@ def score(variant: Variant, model: str, prompts: list[list[int]], args: argparse
         "perplexity": math.exp(mean_nll),
         "window_mean_nll": [sum(w) / len(w) for w in per_window],
     }
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--matmul, --kv-cache-dtype and --max-num-batched-tokens: how `score` runs the engine."""
+    parser.add_argument(
+        "--matmul",
+        choices=("int8", "tiles"),
+        default="int8",
+        help="the quantized layers' kernel: int8 activations (decoding's) or dequantized tiles (prefill's)",
+    )
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="as `yaie serve`'s")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.max_num_batched_tokens,
+        help="prefill chunk budget; below the window, later chunks read K/V back from the cache",
+    )
 
 
 def render_table(rows: list[dict[str, Any]], window: int, matmul: str) -> Table:
@@ -163,20 +184,8 @@ def main() -> int:
     )
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text to score")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per window")
-    parser.add_argument(
-        "--matmul",
-        choices=("int8", "tiles"),
-        default="int8",
-        help="the quantized layers' kernel: int8 activations (decoding's) or dequantized tiles (prefill's)",
-    )
+    add_engine_args(parser)
     parser.add_argument("--dense", type=Path, default=DEFAULT_OUT, help="the fp32 copy (made if missing)")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="as `yaie serve`'s")
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=EngineConfig.max_num_batched_tokens,
-        help="prefill chunk budget; below --window, later chunks read K/V back from the cache",
-    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/perplexity.json"))
     args = parser.parse_args()
     console = make_console()

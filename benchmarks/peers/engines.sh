@@ -26,7 +26,7 @@ start_engine() {
     yaie | yaie-fp32)
         local flags=()
         [[ $1 == yaie-fp32 ]] && flags=(--quantization none)
-        [[ -n ${MODEL:-} ]] && flags+=(--model "$MODEL")
+        [[ -n ${MODEL:-} ]] && flags+=("$MODEL")
         python -m yaie.cli serve --port 8000 --log-level warning "${flags[@]}" > "$PEERS_DIR/yaie-8000.log" 2>&1 &
         echo $! > "$PEERS_DIR/yaie-8000.pid"
         wait_ready "$(cat "$PEERS_DIR/yaie-8000.pid")" http://127.0.0.1:8000/health 300 "$PEERS_DIR/yaie-8000.log"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's native `llama-server`, `llama-bench`, `llama-quantize` and `llama-perplexity`
-# for benchmarking yaie against it and making its GGUF files at real sizes.
+# Build llama.cpp's native `llama-server`, `llama-bench`, `llama-quantize`, `llama-perplexity` and
+# `llama-tokenize` for benchmarking yaie against it and making its GGUF files at real sizes.
 #
 # The PyPI sdist of llama-cpp-python==0.3.36 vendors a complete llama.cpp tree
 # (vendor/llama.cpp), so the build needs only PyPI: download the sdist, unpack it, build with CMake.
@@ -56,8 +56,8 @@ cmake -B build "${no_amx[@]}" \
     -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DCMAKE_BUILD_TYPE=Release
-echo "[install_llamacpp] building llama-server, llama-bench, llama-quantize and llama-perplexity with -j$JOBS"
-cmake --build build -j"$JOBS" --target llama-server llama-bench llama-quantize llama-perplexity
+echo "[install_llamacpp] building llama-server, llama-bench, llama-quantize, llama-perplexity and llama-tokenize with -j$JOBS"
+cmake --build build -j"$JOBS" --target llama-server llama-bench llama-quantize llama-perplexity llama-tokenize
 
 "$SRC_DIR/build/bin/llama-server" --version || true
 echo "[install_llamacpp] done in $(($(date +%s) - start)) s: $LINK/build/bin/llama-server"

@@ -77,6 +77,17 @@ def test_k_quant_layers(tmp_path, vocab, batch, isa, monkeypatch):  # noqa: F811
     assert fused == [generate(llm, [p])[0] for p in PROMPTS[:batch]]
 
 
+def test_q5_1_layers_beside_q8_0_ones(tmp_path, vocab, llama, isa, monkeypatch):  # noqa: F811
+    """Q5_1's 8-bit values with mins, q and k fused with a Q8_0 v (as Q5_K_M files of models
+    whose rows are not multiples of 256 store them): still one layer, so the native path runs."""
+    layers = range(llama.config.num_hidden_layers)
+    overrides = {f"model.layers.{i}.self_attn.v_proj.weight": Q.Q8_0 for i in layers}
+    llm = quantized_llm(write(tmp_path, vocab, "llama", llama, Q.Q5_1, type_overrides=overrides))
+    assert llm.engine.runner.fused_decode is not None
+    fused, python, calls = fused_and_python(llm, PROMPTS, monkeypatch)
+    assert fused == python and calls > 0
+
+
 def test_qkv_biases_and_a_tied_head(tmp_path, vocab, qwen2, native_kernels, monkeypatch):  # noqa: F811
     llm = quantized_llm(write(tmp_path, vocab, "qwen2", qwen2, Q.Q4_0))
     fused, python, calls = fused_and_python(llm, PROMPTS, monkeypatch)

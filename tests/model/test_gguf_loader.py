@@ -387,29 +387,35 @@ def test_unsupported_tensor_type_tq1_0(tmp_path, vocab, llama):
         GGUFCheckpoint(str(path))
 
 
-def test_q5_0_loads_as_gguf_dequantizes_it(tmp_path, vocab, llama):
-    """Q5_0, once refused, loads (dense here, as gguf-py dequantizes; kept quantized in
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
+def test_q5_types_load_as_gguf_dequantizes_them(tmp_path, vocab, llama, qtype):
+    """Q5_0 and Q5_1, once refused, load (dense here, as gguf-py dequantizes; kept quantized in
     tests/model/test_quantized_model.py)."""
     path = write(tmp_path, vocab, "llama", llama, Q.Q8_0,
-                 type_overrides={"model.layers.1.mlp.down_proj.weight": Q.Q5_0})  # fmt: skip
+                 type_overrides={"model.layers.1.mlp.down_proj.weight": qtype})  # fmt: skip
     weights = dict(GGUFCheckpoint(str(path)).weights(torch.float32))
     expected = llama.state_dict()["model.layers.1.mlp.down_proj.weight"]
     assert weights["model.layers.1.mlp.down_proj.weight"].shape == expected.shape
     # Q5_0's step is max|w| / 16 per 32 values; rounding is within half a step, but -max clips to
-    # 15 steps below zero: within one step (and float16's rounding of the step).
-    bound = expected.abs().view(expected.shape[0], -1, 32).amax(-1, keepdim=True) / 16 * 1.01
-    error = (weights["model.layers.1.mlp.down_proj.weight"] - expected).abs().view(expected.shape[0], -1, 32)
-    assert bool((error <= bound).all())
+    # 15 steps below zero: within one step (and float16's rounding of the step). Q5_1's step is
+    # (max - min) / 31 from the block's min: within half a step, and float16's rounding of the
+    # step and the min, so within one step too.
+    blocks = expected.view(expected.shape[0], -1, 32)
+    if qtype == Q.Q5_0:
+        step = blocks.abs().amax(-1, keepdim=True) / 16
+    else:
+        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 31
+    error = (weights["model.layers.1.mlp.down_proj.weight"] - expected).abs().view_as(blocks)
+    assert bool((error <= step * 1.01).all())
 
 
-def test_unsupported_tensor_type_q2_k(tmp_path, vocab, llama):
-    # gguf-py cannot quantize to Q2_K; the loader refuses on the type alone, so zeroed blocks do.
-    # One Q2_K block is 256 weights in 84 bytes.
-    block = np.zeros((2, 84), dtype=np.uint8)
-    path = write(
-        tmp_path, vocab, "llama", llama, Q.F32, extra_tensors={"blk.0.ffn_gate_exps.weight": (block, Q.Q2_K)}
-    )
-    with pytest.raises(UnsupportedModelError, match="Q2_K"):
+def test_unsupported_tensor_type_iq2_xxs(tmp_path, vocab, llama):
+    # gguf-py cannot quantize to IQ2_XXS; the loader refuses on the type alone, so zeroed blocks do.
+    # One IQ2_XXS block is 256 weights in 66 bytes.
+    block = np.zeros((2, 66), dtype=np.uint8)
+    extra = {"blk.0.ffn_gate_exps.weight": (block, Q.IQ2_XXS)}
+    path = write(tmp_path, vocab, "llama", llama, Q.F32, extra_tensors=extra)
+    with pytest.raises(UnsupportedModelError, match="IQ2_XXS"):
         GGUFCheckpoint(str(path))
 
 

@@ -31,12 +31,12 @@ from yaie.ops.quant_layout import pack_weight
 CPU = torch.device("cpu")
 
 T = GGMLQuantizationType
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q3_K, T.Q2_K, T.IQ4_NL, T.IQ4_XS]
 PACKED_TYPES = [t for t in TYPES if t not in KQUANT_GGML_TYPES]  # quant_layout's, with dequantized tiles
 # The byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN).
 FP16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q5_0: (0,),
-    T.Q3_K: (108,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.Q5_1: (0, 2), T.Q3_K: (108,), T.Q2_K: (80, 82), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
 }  # fmt: skip
 
 # M, N, K: odd M and N (padded row groups), every M regime of the int8 kernels (blocks of four
@@ -51,7 +51,7 @@ SHAPES = [
 # end (only types with 32-value blocks can have one).
 ODD_BLOCK_SHAPES = [(1, 5, 32), (1, 9, 288), (5, 7, 96), (11, 70, 288)]
 MATMUL_CASES = [(t, shape) for t in TYPES for shape in SHAPES] + [
-    (t, shape) for t in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.IQ4_NL) for shape in ODD_BLOCK_SHAPES
+    (t, shape) for t in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL) for shape in ODD_BLOCK_SHAPES
 ]
 
 
@@ -228,6 +228,20 @@ def test_kquant_out_features_must_match_the_parts_rows(out_features, native_kern
         KQuantLinear(parts, out_features, ops=ops())(torch.randn(1, k))
 
 
+@pytest.mark.parametrize("ggml_type", PACKED_TYPES, ids=lambda t: t.name)
+def test_unpacked_blocks_are_the_factors_gguf_multiplies(ggml_type):
+    """Before packing: scale * q (+ min) per 32 values, in float32, is the weight the `gguf`
+    package dequantizes, bit for bit; values in the type of their layout (4-bit as uint8 0..15)."""
+    raw = random_blocks(ggml_type, 11, 512, seed=10)
+    u = unpack_gguf(raw, ggml_type, 11, 512)
+    assert u.bits == (4 if ggml_type in (T.Q4_0, T.Q4_1) else 8)
+    assert (u.mins is not None) == (ggml_type in (T.Q4_0, T.Q4_1, T.Q5_1))
+    w = u.values.astype(np.float32) * np.repeat(u.scales, quant.BLOCK, axis=1)
+    if u.mins is not None:
+        w = w + np.repeat(u.mins, quant.BLOCK, axis=1)
+    assert np.array_equal(w, dequantize(raw, ggml_type))
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
     raw = random_blocks(ggml_type, 11, 512, seed=1)
@@ -235,7 +249,7 @@ def test_repacked_weights_dequantize_to_what_gguf_computes(ggml_type):
     assert torch.equal(layer.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 def test_weights_gguf_quantized_dequantize_to_what_gguf_computes(ggml_type):
     """Blocks as gguf-py's quantizer writes them (llama.cpp's reference rounding), where it has one."""
     gen = np.random.default_rng(5)
@@ -276,10 +290,8 @@ def test_embedding_refuses_ids_outside_the_table(native_kernels):
         KQuantEmbedding(table, torch.float32, ops=ops())(torch.tensor([16]))
 
 
-# GGUF stores these formats' scales (and Q4_1's mins, Q4_0's -8 d) as float16 values; the
-# K-quants' (and IQ4_XS's) are products of a float16 and a 6-bit or 8-bit integer, mostly not
-# float16 values.
-SCALES_IN_FLOAT16 = {T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q5_0: True, T.IQ4_NL: True, T.IQ4_XS: False}
+# GGUF stores these formats' scales (and Q4_1's and Q5_1's mins, Q4_0's -8 d) as float16 values.
+SCALES_IN_FLOAT16 = {T.Q8_0: True, T.Q4_0: True, T.Q4_1: True, T.Q5_0: True, T.Q5_1: True, T.IQ4_NL: True}
 
 
 @pytest.mark.parametrize("ggml_type", PACKED_TYPES, ids=lambda t: t.name)
@@ -324,9 +336,9 @@ def test_quantize_dense_weight(scheme, group_size, isa):
 
 
 def test_unsupported_type_names_itself_and_the_supported_ones():
-    supported = "Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K, Q3_K"
-    with pytest.raises(ValueError, match=rf"Q2_K.*supported: {supported}"):
-        from_gguf(b"", T.Q2_K, 4, 256, ops=ops())
+    supported = "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS"
+    with pytest.raises(ValueError, match=rf"IQ2_XXS.*supported: {supported}"):
+        from_gguf(b"", T.IQ2_XXS, 4, 256, ops=ops())
 
 
 @pytest.mark.parametrize(("ggml_type", "k"), [(T.Q4_K, 288), (T.Q8_0, 48)])

@@ -93,7 +93,7 @@ def write(tmp_path: Path, vocab, arch: str, model, qtype, **kw) -> Path:
 # weights O(1 / sqrt(cols)) (d times the spread of its sub-scales and values).
 K_BLOCK_SCALES = {
     Q.Q4_K: ((0, 2), 2e-4), Q.Q5_K: ((0, 2), 1e-4), Q.Q6_K: ((208,), 4e-4), Q.Q3_K: ((108,), 1.5e-3),
-    Q.IQ4_NL: ((0,), 1e-3), Q.IQ4_XS: ((0,), 5e-5),
+    Q.Q2_K: ((80, 82), 1e-3), Q.IQ4_NL: ((0,), 1e-3), Q.IQ4_XS: ((0,), 5e-5),
 }  # fmt: skip
 
 
@@ -226,7 +226,7 @@ def checked_logits(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> torc
 # --- GGUF files in the types they store --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_llama_runs_as_stored(tmp_path, vocab, llama, qtype, native_kernels, monkeypatch):
     path = write(tmp_path, vocab, "llama", llama, qtype)
     ours = load(path, "auto")
@@ -238,7 +238,7 @@ def test_llama_runs_as_stored(tmp_path, vocab, llama, qtype, native_kernels, mon
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q5_1], ids=lambda q: q.name)
 def test_qwen2_tied_head_is_the_quantized_embedding(
     tmp_path, vocab, qwen2, qtype, native_kernels, monkeypatch
 ):
@@ -300,12 +300,18 @@ def test_k_quant_tied_table_is_held_once(tmp_path, vocab, head, native_kernels, 
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))
 
 
-def test_k_quants_hold_what_their_file_does(tmp_path, vocab, native_kernels):
-    """A Q4_K_M-like file's weights take no more memory than its tensors do on disk, within 5%:
-    the super-block records keep the file's bits (6-bit scales and mins take a byte each)."""
-    raw_types = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_K, "gate_proj": Q.Q4_K,
-                 "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # fmt: skip
-    path = write_raw_types(tmp_path / "k.gguf", vocab, raw_types, Q.Q6_K, seed=4, tied=True)
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("mix", [
+    {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_K, "gate_proj": Q.Q4_K,
+     "up_proj": Q.Q4_K, "down_proj": Q.Q6_K},  # as Q4_K_M mixes them, with a Q5_K
+    *(dict.fromkeys(KINDS, qtype) for qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_XS)),
+], ids=["Q4_K_M-like", "Q2_K", "Q3_K", "IQ4_XS"])  # fmt: skip
+def test_k_quants_hold_what_their_file_does(tmp_path, vocab, mix, native_kernels):
+    """A file's super-block weights take no more memory than its tensors do on disk, within 5%:
+    the records keep the file's bits (6-bit scales and mins take a byte each)."""
+    path = write_raw_types(tmp_path / "k.gguf", vocab, mix, mix["down_proj"], seed=4, tied=True)
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
     assert file_bytes <= load(path, "auto").weight_bytes <= 1.05 * file_bytes
 
@@ -329,10 +335,13 @@ def test_dense_shard_beside_quantized_ones(tmp_path, vocab, llama, native_kernel
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
+STORED_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+
+
+@pytest.mark.parametrize("qtype", STORED_TYPES, ids=lambda q: q.name)
 def test_types_gguf_py_cannot_quantize_run_as_stored(tmp_path, vocab, qtype, native_kernels, monkeypatch):
     """Types gguf-py cannot quantize to, every projection and the LM head in `qtype` (raw
-    blocks): each runs as stored (the K-quants in their super-blocks, the IQ4 types in the 8-bit
+    blocks): each runs as stored (the super-block types in their records, IQ4_NL in the 8-bit
     layout), dequantizing to what gguf-py computes."""
     kinds = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     path = tmp_path / f"{qtype.name}.gguf"
@@ -348,8 +357,8 @@ def test_types_gguf_py_cannot_quantize_run_as_stored(tmp_path, vocab, qtype, nat
 
 
 def test_int8_mapped_shards_of_different_types_share_one_layer(tmp_path, vocab, native_kernels, monkeypatch):
-    """q, k IQ4_XS, v IQ4_NL stack into one 8-bit layer; gate IQ4_NL beside up Q8_0 into
-    another; down Q5_0 (gguf-py quantizes it)."""
+    """gate IQ4_NL beside up Q8_0 stack into one 8-bit layer; q, k IQ4_XS (super-blocks) beside v
+    IQ4_NL (8-bit) keep a part each; down Q5_0 (gguf-py quantizes it)."""
     raw_types = {"q_proj": Q.IQ4_XS, "k_proj": Q.IQ4_XS, "v_proj": Q.IQ4_NL, "o_proj": Q.IQ4_XS,
                  "gate_proj": Q.IQ4_NL}  # fmt: skip
     cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
@@ -371,10 +380,36 @@ def test_int8_mapped_shards_of_different_types_share_one_layer(tmp_path, vocab, 
     ours = load(path, "auto")
     types = {"lm_head": "Q8_0"}
     for i in range(NUM_LAYERS):
-        types |= {f"layers.{i}.self_attn.qkv_proj": "IQ4_NL+IQ4_XS",
+        types |= {f"layers.{i}.self_attn.qkv_proj": "IQ4_XS+IQ4_NL",
                   f"layers.{i}.self_attn.o_proj": "IQ4_XS", f"layers.{i}.mlp.gate_up_proj": "IQ4_NL+Q8_0",
                   f"layers.{i}.mlp.down_proj": "Q5_0"}  # fmt: skip
-    assert ours.quantization == "IQ4_NL+IQ4_XS, IQ4_NL+Q8_0, IQ4_XS, Q5_0, Q8_0"
+    assert ours.quantization == "IQ4_NL, IQ4_NL+Q8_0, IQ4_XS, Q5_0, Q8_0"
+    assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
+    ours_logits = checked_logits(ours, monkeypatch)
+    assert_logits_within_bound(ours_logits, logits(load(path, "none")))
+
+
+def test_q5_1_shards_beside_8_bit_ones_without_mins_share_one_layer(tmp_path, vocab, llama, native_kernels,
+                                                                    monkeypatch):
+    """As llama.cpp's Q5_K_M writes a model whose rows are not multiples of 256: Q5_1 where it
+    falls back from Q5_K, Q8_0 where from Q6_K (v, down). q, k in Q5_1 and v in Q8_0 stay one
+    8-bit layer, v's rows with zero mins; gate and up one Q5_1 layer."""
+    overrides = {f"model.layers.{i}.{name}.weight": Q.Q8_0 for i in range(NUM_LAYERS)
+                 for name in ("self_attn.v_proj", "mlp.down_proj")}  # fmt: skip
+    path = write(tmp_path, vocab, "llama", llama, Q.Q5_1, type_overrides=overrides)
+
+    ours = load(path, "auto")
+    types = {"lm_head": "Q5_1"}
+    for i in range(NUM_LAYERS):
+        types |= {f"layers.{i}.self_attn.qkv_proj": "Q5_1+Q8_0", f"layers.{i}.self_attn.o_proj": "Q5_1",
+                  f"layers.{i}.mlp.gate_up_proj": "Q5_1", f"layers.{i}.mlp.down_proj": "Q8_0"}  # fmt: skip
+        qkv = ours.model.get_submodule(f"layers.{i}.self_attn.qkv_proj")
+        assert isinstance(qkv, QuantizedLinear) and qkv.mins is not None
+        mins = qkv.mins.transpose(1, 2).flatten(0, 1)  # [rows, blocks]
+        cfg = llama.config
+        v_rows = cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads
+        assert mins[:-v_rows].any() and not mins[-v_rows:].any()
+    assert ours.quantization == "Q5_1, Q5_1+Q8_0, Q8_0"
     assert_dequantizes_to_dense(ours.model, dense_weights(path), types)
     ours_logits = checked_logits(ours, monkeypatch)
     assert_logits_within_bound(ours_logits, logits(load(path, "none")))
@@ -446,7 +481,9 @@ def test_dense_gguf_can_be_quantized_at_load(tmp_path, vocab, llama, native_kern
 
 
 def test_unsupported_tensor_type_names_the_supported_ones(tmp_path, vocab, llama):
+    block = np.zeros((2, 66), dtype=np.uint8)  # two rows of one IQ2_XXS block: 256 weights in 66 bytes
     path = write(tmp_path, vocab, "llama", llama, Q.Q8_0,
-                 type_overrides={"model.layers.0.mlp.up_proj.weight": Q.Q5_1})  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match=r"ffn_up\.weight.*Q5_1.*supported: .*Q4_1.*Q4_K.*Q6_K"):
+                 extra_tensors={"blk.0.ffn_up_exps.weight": (block, Q.IQ2_XXS)})  # fmt: skip
+    supported = r"supported: .*Q2_K.*Q4_1.*Q4_K.*Q5_0.*Q5_1.*Q6_K"
+    with pytest.raises(UnsupportedModelError, match=rf"ffn_up_exps\.weight.*IQ2_XXS.*{supported}"):
         GGUFCheckpoint(str(path))

@@ -1,14 +1,14 @@
 """GGUF's quantized block formats decoded into what the kernels' layouts are packed from.
 
-The K-quants Q3_K, Q4_K, Q5_K and Q6_K come out as their super-blocks' fields
-(kquant_layout.KQuantFields), which keep (Q3_K: nearly) the file's bits a value
+The types with 256-value super-blocks, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, come out as
+their super-blocks' fields (kquant_layout.KQuantFields), which keep the file's bits a value
 (yaie/ops/kquant_layout.py). Every other type is unpacked into values and scales in row order
 (quant_layout.Unpacked) and maps exactly onto one of quant_layout's two layouts: 4-bit values with
 a scale and a min per 32 (Q4_0, Q4_1), or int8 values with a scale per 32 (Q8_0; Q5_0's q - 16;
-IQ4_NL's and IQ4_XS's table values). "Exactly": every weight dequantizes to the float32 the `gguf`
-package computes, the same product of the same two factors. Q5_0 and the IQ4 types thus take 8
-bits a value in memory (the IQ4 types' table values are not evenly spaced, so no 4-bit scale and
-min reproduces them).
+IQ4_NL's table values) and, where the format has one, a min per 32 (Q5_1's q in 0..31 and its m).
+"Exactly": every weight dequantizes to the float32 the `gguf` package computes, the same product
+of the same two factors (plus the same min). Q5_0, Q5_1 and IQ4_NL thus take 8 bits a value in
+memory (IQ4_NL's table values are not evenly spaced, so no 4-bit scale and min reproduces them).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from yaie.ops.kquant_layout import KQuantFields
+from yaie.ops.kquant_layout import IQ4_LEVELS, KQuantFields
 from yaie.ops.quant_layout import Unpacked
 
 
@@ -55,36 +55,31 @@ def _high_bits(bits: np.ndarray, count: int) -> np.ndarray:
     return high
 
 
+def _five_bits(fields: np.ndarray) -> np.ndarray:
+    """The Q5 types' 20 bytes of values -> q in 0..31 (uint8 [..., 32]): 32 high bits (bit j of a
+    little-endian uint32 is value j's), then 4-bit values as Q4_0 lays them out."""
+    high = np.swapaxes(_high_bits(fields[..., 0:4], 8), -1, -2)  # [..., byte, bit]: value 8 byte + bit
+    q: np.ndarray = _nibbles(fields[..., 4:]) | (high.reshape(*fields.shape[:-1], 32) << 4)
+    return q
+
+
 def _unpack_q5_0(blocks: np.ndarray) -> Unpacked:
-    """d, 32 high bits (bit j of a little-endian uint32 is value j's), then 4-bit values as Q4_0
-    lays them out; w = d * (q - 16)."""
+    """d, then the values; w = d * (q - 16)."""
     d = _fp16(blocks, 0)
-    high = np.swapaxes(_high_bits(blocks[..., 2:6], 8), -1, -2)  # [..., byte, bit]: value 8 byte + bit
-    q = _nibbles(blocks[..., 6:]) | (high.reshape(*blocks.shape[:-1], 32) << 4)
-    return Unpacked((q.astype(np.int16) - 16).astype(np.int8), d[..., 0], None)
+    return Unpacked((_five_bits(blocks[..., 2:]).astype(np.int16) - 16).astype(np.int8), d[..., 0], None)
 
 
-# IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a 4-bit index picks one.
-_IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+def _unpack_q5_1(blocks: np.ndarray) -> Unpacked:
+    """d, m, then the values; w = d * q + m: q (0..31) as int8 and m as the 8-bit layout's min,
+    both as stored."""
+    d, m = _fp16(blocks, 0), _fp16(blocks, 2)
+    return Unpacked(_five_bits(blocks[..., 4:]).astype(np.int8), d[..., 0], m[..., 0])
 
 
 def _unpack_iq4_nl(blocks: np.ndarray) -> Unpacked:
-    """d, then 4-bit indices into _IQ4_LEVELS laid out as Q4_0's values; w = d * level."""
+    """d, then 4-bit indices into IQ4_LEVELS laid out as Q4_0's values; w = d * level."""
     d = _fp16(blocks, 0)
-    return Unpacked(_IQ4_LEVELS[_nibbles(blocks[..., 2:])], d[..., 0], None)
-
-
-def _unpack_iq4_xs(blocks: np.ndarray) -> Unpacked:
-    """256-value super-blocks: d, the 2 high bits of eight 6-bit scales (a uint16), their 4 low
-    bits (4 bytes), then eight runs of 16 bytes laid out as IQ4_NL's blocks.
-    w = d * (scale - 32) * level."""
-    lead = blocks.shape[:-1]
-    d = _fp16(blocks, 0)
-    high = blocks[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))
-    low = np.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], axis=-1).reshape(*lead, 8)
-    scales = (low | ((high & 0x03).astype(np.uint8) << 4)).astype(np.float32) - 32
-    values = _IQ4_LEVELS[_nibbles(blocks[..., 8:].reshape(*lead, 8, 16))]
-    return Unpacked(values.reshape(*lead, 256), d * scales, None)
+    return Unpacked(IQ4_LEVELS[_nibbles(blocks[..., 2:])], d[..., 0], None)
 
 
 _UNPACKERS = {
@@ -92,8 +87,8 @@ _UNPACKERS = {
     GGMLQuantizationType.Q4_0: _unpack_q4_0,
     GGMLQuantizationType.Q4_1: _unpack_q4_1,
     GGMLQuantizationType.Q5_0: _unpack_q5_0,
+    GGMLQuantizationType.Q5_1: _unpack_q5_1,
     GGMLQuantizationType.IQ4_NL: _unpack_iq4_nl,
-    GGMLQuantizationType.IQ4_XS: _unpack_iq4_xs,
 }
 
 
@@ -137,21 +132,49 @@ def _q6_k_fields(blocks: np.ndarray) -> KQuantFields:
     return KQuantFields("Q6_K", values, scales, None, _fp16(blocks, 208)[..., 0], None)
 
 
+def _two_bits(qs: np.ndarray) -> np.ndarray:
+    """Q2_K's values and Q3_K's low bits: two runs of 128 values, each 4 x 32 at bit shifts 0, 2,
+    4, 6 of 32 bytes -> uint8 [..., 8 runs of 32, 32]."""
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    low: np.ndarray = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3  # [..., 2, 4, 32]
+    return low.reshape(*qs.shape[:-1], 8, 32)
+
+
 def _q3_k_fields(blocks: np.ndarray) -> KQuantFields:
     """256-value super-blocks: a high-bit mask (32 bytes: value 32 r + j takes bit r of byte j),
-    2 low bits of each value (64 bytes: two runs of 128 values, each 4 x 32 at bit shifts 0, 2, 4,
-    6), sixteen 6-bit scales packed in 12 bytes, d. w = d * (6-bit - 32) * q, q = low - 4 where
-    the high bit is clear: stored as q + 4 = low + 4 * high, 0..7, with the scales signed."""
+    2 low bits of each value (64 bytes, as _two_bits reads them), sixteen 6-bit scales packed in
+    12 bytes, d. w = d * (6-bit - 32) * q, q = low - 4 where the high bit is clear: stored as
+    q + 4 = low + 4 * high, 0..7, with the scales signed."""
     lead = blocks.shape[:-1]
     high = _high_bits(blocks[..., 0:32], 8)  # [..., 8 runs, 32]
-    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-    low = (blocks[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [..., 2, 4, 32]
-    values = (low.reshape(*lead, 8, 32) | (high << 2)).reshape(*lead, 256)
+    values = (_two_bits(blocks[..., 32:96]) | (high << 2)).reshape(*lead, 256)
     packed = blocks[..., 96:108]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
     nibbles = np.stack([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-2).reshape(*lead, 16)
     twos = (packed[..., 8:12].reshape(*lead, 1, 4) >> shifts) & 3  # [..., 4 shifts, 4 bytes]
     scales = ((nibbles | (twos.reshape(*lead, 16) << 4)).astype(np.int16) - 32).astype(np.int8)
     return KQuantFields("Q3_K", values, scales, None, _fp16(blocks, 108)[..., 0], None)
+
+
+def _q2_k_fields(blocks: np.ndarray) -> KQuantFields:
+    """256-value super-blocks: sixteen bytes of a 4-bit scale (low nibble) and a 4-bit min (high)
+    per 16 values, 2 bits of each value (as _two_bits reads them), d, dmin."""
+    values = _two_bits(blocks[..., 16:80]).reshape(*blocks.shape[:-1], 256)
+    packed = blocks[..., 0:16]
+    d, dmin = _fp16(blocks, 80)[..., 0], _fp16(blocks, 82)[..., 0]
+    return KQuantFields("Q2_K", values, packed & 0x0F, packed >> 4, d, dmin)
+
+
+def _iq4_xs_fields(blocks: np.ndarray) -> KQuantFields:
+    """256-value super-blocks: d, the 2 high bits of eight 6-bit scales (a uint16), their 4 low
+    bits (4 bytes), then eight runs of 16 bytes of 4-bit indices into IQ4_LEVELS laid out as
+    Q4_0's values. w = d * (scale - 32) * level."""
+    lead = blocks.shape[:-1]
+    high = blocks[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))
+    low = np.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], axis=-1).reshape(*lead, 8)
+    scales = ((low | ((high & 0x03).astype(np.uint8) << 4)).astype(np.int16) - 32).astype(np.int8)
+    values = _nibbles(blocks[..., 8:].reshape(*lead, 8, 16)).reshape(*lead, 256)
+    return KQuantFields("IQ4_XS", values, scales, None, _fp16(blocks, 0)[..., 0], None)
 
 
 _KQUANT_FIELDS = {
@@ -159,6 +182,8 @@ _KQUANT_FIELDS = {
     GGMLQuantizationType.Q5_K: _q5_k_fields,
     GGMLQuantizationType.Q6_K: _q6_k_fields,
     GGMLQuantizationType.Q3_K: _q3_k_fields,
+    GGMLQuantizationType.Q2_K: _q2_k_fields,
+    GGMLQuantizationType.IQ4_XS: _iq4_xs_fields,
 }
 SUPPORTED_GGML_TYPES = tuple(_UNPACKERS) + tuple(_KQUANT_FIELDS)
 KQUANT_GGML_TYPES = tuple(_KQUANT_FIELDS)

@@ -82,8 +82,8 @@ class DenseLinear(Linear):
 class ConcatLinear(Linear):
     """A fused projection (q, k, v; gate, up) held as consecutive row blocks, each its own
     Linear: y = [part_0(x) | part_1(x) | ...]. The loader makes one where the parts' stored types
-    share no packed layout (4-bit with mins beside 8-bit without), so that each keeps its own type
-    instead of all being dequantized to one dense weight."""
+    share no packed layout (4-bit beside 8-bit, a K-quant beside another type), so that each keeps
+    its own type instead of all being dequantized to one dense weight."""
 
     def __init__(self, parts: list[Linear]) -> None:
         super().__init__()

@@ -246,8 +246,8 @@ def _same_layout(config: ModelConfig, shards: dict[str | None, StoredQuantized],
                  unpacked: dict[str | None, Unpacked], run: list[str | None], b: str | None) -> bool:
     """Whether shard b can join the run of shards before it in one layer: all stored dense; all
     K-quants (a new type starts a new part, so the run's rows so far must fill whole records of
-    16); or all unpacked with mins (4-bit) or all without (8-bit), taking their input features
-    in one order."""
+    16); or all unpacked into 4-bit values or all into 8-bit ones (quantization.fuse), taking
+    their input features in one order."""
     a = run[-1]
     if a not in shards or b not in shards:
         return a not in shards and b not in shards
@@ -259,7 +259,7 @@ def _same_layout(config: ModelConfig, shards: dict[str | None, StoredQuantized],
         rows = shard_rows(config, a).stop - shard_rows(config, first).start
         return _ggml_type(shards[a]) == _ggml_type(shards[b]) or rows % RECORD_ROWS == 0
     orders = [w.in_order if isinstance(w, Int4Weight) else None for w in (shards[a], shards[b])]
-    return (unpacked[a].mins is None) == (unpacked[b].mins is None) and _same_order(*orders)
+    return unpacked[a].bits == unpacked[b].bits and _same_order(*orders)
 
 
 def _ggml_type(weight: StoredQuantized) -> str:

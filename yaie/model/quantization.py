@@ -30,11 +30,15 @@ GROUP_SIZE = 32  # values per scale of int8 / int4 at load: the kernels' block
 
 def fuse(shards: list[Unpacked]) -> Unpacked | None:
     """The shards of a fused projection (q, k, v; gate, up) stacked by rows, or None where their
-    layouts cannot share one packed weight (4-bit with mins beside 8-bit without)."""
-    if len({u.mins is None for u in shards}) > 1:
+    layouts cannot share one packed weight (4-bit beside 8-bit). 8-bit shards without mins beside
+    ones with them (Q8_0 beside Q5_1, as Q5_K_M files mix them) take zero mins: their weights are
+    unchanged, and the projection stays one layer."""
+    if len({u.bits for u in shards}) > 1:
         return None
-    mins = None if shards[0].mins is None else np.concatenate([u.mins for u in shards if u.mins is not None])
     values, scales = np.concatenate([u.values for u in shards]), np.concatenate([u.scales for u in shards])
+    if all(u.mins is None for u in shards):
+        return Unpacked(values, scales, None)
+    mins = np.concatenate([np.zeros_like(u.scales) if u.mins is None else u.mins for u in shards])
     return Unpacked(values, scales, mins)
 
 

@@ -26,7 +26,7 @@ from yaie.ops.quant_layout import BLOCK, Unpacked, dequantize_weight, pack_weigh
 class QuantizedLinear(Linear):
     """y = x @ W^T (+ bias) with W kept packed in 4 or 8 bits (see the module docstring)."""
 
-    # Buffers, in the layout of csrc/quant_common.h; mins only for 4-bit weights.
+    # Buffers, in the layout of csrc/quant_common.h; mins for 4-bit weights, and 8-bit ones with mins (Q5_1).
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None

@@ -20,6 +20,7 @@ WEIGHT_BYTES: dict[str, float] = {
     "fp8": 1, "int8": 1, "int4": 0.5,
     "Q8_0": 34 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32,
     "Q6_K": 210 / 256, "Q5_K": 176 / 256, "Q4_K": 144 / 256, "Q3_K": 110 / 256, "Q2_K": 84 / 256,
+    "IQ4_XS": 136 / 256, "IQ4_NL": 18 / 32,
 }  # fmt: skip
 FLOAT_DTYPES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 KV_BYTES: dict[str, int] = {

@@ -29,19 +29,34 @@ float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-int64_t qh_bytes(Type type) { return type == kQ5K ? 512 : type == kQ6K ? 1024 : 0; }
-
-// Value n (0..255) of lane i of a record, before any offset: 0..15, 0..31 or 0..63.
+// Value n (0..255) of lane i of a record, as the kernels multiply it: the planes' bits put
+// together (IQ4_XS: the level its index picks), before any offset.
 int32_t value_at(const uint8_t* rec, Type type, int64_t i, int64_t n) {
-  const int64_t j = n / 32, r = n % 32, half = r / 16, c = (r % 16) / 4, t = r % 4;
-  const uint8_t byte = rec[(j * 4 + c) * 64 + i * 4 + t];
-  int32_t q = half ? byte >> 4 : byte & 0x0F;
-  if (type == kQ5K) {
-    q |= ((rec[kQsBytes + j * 64 + i * 4 + t] >> (c + 4 * half)) & 1) << 4;
-  } else if (type == kQ6K) {
-    q |= ((rec[kQsBytes + (j * 2 + half) * 64 + i * 4 + t] >> (2 * c)) & 3) << 4;
+  const int64_t j = n / 32, r = n % 32, half = r / 16, c = (r % 16) / 4, lane = i * 4 + r % 4;
+  int32_t q = 0, bits = 0;
+  if (has_4bit(type)) {
+    const uint8_t byte = rec[(j * 4 + c) * 64 + lane];
+    q = half ? byte >> 4 : byte & 0x0F;
+    bits = 4;
   }
-  return q;
+  if (has_2bit(type)) {
+    q |= ((rec[plane2_offset(type) + (j * 2 + half) * 64 + lane] >> (2 * c)) & 3) << bits;
+    bits += 2;
+  }
+  if (has_1bit(type)) q |= ((rec[plane1_offset(type) + j * 64 + lane] >> (c + 4 * half)) & 1) << bits;
+  return type == kIQ4XS ? kIq4Levels[q] : q;
+}
+
+// The integer scale and min (or, for the offset types, none) of value n of lane i.
+int32_t scale_at(const uint8_t* rec, Type type, int64_t i, int64_t n) {
+  const uint8_t byte = rec[scales_offset(type) + (per16(type) ? n / 16 : n / 32) * 16 + i];
+  if (type == kQ2K) return byte & 0x0F;
+  return type == kQ4K || type == kQ5K ? byte : static_cast<int8_t>(byte);
+}
+
+int32_t min_at(const uint8_t* rec, Type type, int64_t i, int64_t n) {
+  if (type == kQ2K) return rec[scales_offset(type) + (n / 16) * 16 + i] >> 4;
+  return rec[scales_offset(type) + 128 + (n / 32) * 16 + i];
 }
 
 }  // namespace
@@ -71,7 +86,7 @@ void quantize_row_q8k(const float* x, int64_t superblocks, int8_t* q, float* d, 
 #pragma GCC pop_options
 
 void matmul_scalar(const Weights& w, const Activations& x, int64_t first, int64_t last, float* y, int64_t ldy) {
-  const int64_t sc_off = kQsBytes + qh_bytes(w.type);
+  const Type type = w.type;
   for (int64_t g = first; g < last; ++g) {
     for (int64_t m = 0; m < x.rows; ++m) {
       for (int64_t i = 0; i < kRows; ++i) {
@@ -80,27 +95,21 @@ void matmul_scalar(const Weights& w, const Activations& x, int64_t first, int64_
           const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
           const int8_t* xq = x.q + m * x.ldq + s * kSuper;
           const int16_t* bsum = x.bsums + (m * x.superblocks + s) * 16;
-          const float dx = x.d[m * x.superblocks + s];
+          const float dx = x.d[m * x.superblocks + s], d = half_at(rec + d_offset(type) + 2 * i);
+          // Per run of 16 values (a scale per 32 is the same for its two runs).
           int32_t sumi = 0, summ = 0;
-          if (per16(w.type)) {
-            for (int64_t run = 0; run < 16; ++run) {
-              int32_t dot = 0;
-              for (int64_t n = 16 * run; n < 16 * run + 16; ++n) dot += value_at(rec, w.type, i, n) * xq[n];
-              const int32_t scale = static_cast<int8_t>(rec[sc_off + run * 16 + i]);
-              sumi += scale * dot;
-              summ += scale * bsum[run];
-            }
-            const int32_t offset = 1 << offset_shift(w.type);
-            acc += dx * (half_at(rec + sc_off + 256 + 2 * i) * static_cast<float>(sumi - offset * summ));
-          } else {
-            for (int64_t j = 0; j < 8; ++j) {
-              int32_t dot = 0;
-              for (int64_t n = 32 * j; n < 32 * j + 32; ++n) dot += value_at(rec, w.type, i, n) * xq[n];
-              sumi += rec[sc_off + j * 16 + i] * dot;
-              summ += rec[sc_off + 128 + j * 16 + i] * (bsum[2 * j] + bsum[2 * j + 1]);
-            }
-            const float d = half_at(rec + sc_off + 256 + 2 * i), dmin = half_at(rec + sc_off + 288 + 2 * i);
+          for (int64_t run = 0; run < 16; ++run) {
+            int32_t dot = 0;
+            for (int64_t n = 16 * run; n < 16 * run + 16; ++n) dot += value_at(rec, type, i, n) * xq[n];
+            const int32_t scale = scale_at(rec, type, i, 16 * run);
+            sumi += scale * dot;
+            summ += (has_mins(type) ? min_at(rec, type, i, 16 * run) : scale) * bsum[run];
+          }
+          if (has_mins(type)) {
+            const float dmin = half_at(rec + d_offset(type) + 32 + 2 * i);
             acc += dx * (d * static_cast<float>(sumi) - dmin * static_cast<float>(summ));
+          } else {
+            acc += dx * (d * static_cast<float>(sumi - summ * (1 << offset_shift(type))));
           }
         }
         y[m * ldy + g * kRows + i] = acc;
@@ -110,24 +119,20 @@ void matmul_scalar(const Weights& w, const Activations& x, int64_t first, int64_
 }
 
 void dequantize_row(const Weights& w, int64_t g, int64_t i, float* out) {
-  const int64_t sc_off = kQsBytes + qh_bytes(w.type);
+  const Type type = w.type;
   for (int64_t s = 0; s < w.superblocks; ++s) {
     const uint8_t* rec = w.data + (g * w.superblocks + s) * w.record;
     float* o = out + s * kSuper;
-    const float d = half_at(rec + sc_off + 256 + 2 * i);
-    if (per16(w.type)) {
-      const int32_t offset = 1 << offset_shift(w.type);
-      for (int64_t n = 0; n < kSuper; ++n) {
-        const float scale = d * static_cast<float>(static_cast<int8_t>(rec[sc_off + (n / 16) * 16 + i]));
-        o[n] = scale * static_cast<float>(value_at(rec, w.type, i, n) - offset);
-      }
-    } else {
-      const float dmin = half_at(rec + sc_off + 288 + 2 * i);
-      for (int64_t n = 0; n < kSuper; ++n) {
-        const int64_t j = n / 32;
-        const float scale = d * static_cast<float>(rec[sc_off + j * 16 + i]);
-        const float min = dmin * static_cast<float>(rec[sc_off + 128 + j * 16 + i]);
-        o[n] = scale * static_cast<float>(value_at(rec, w.type, i, n)) - min;
+    const float d = half_at(rec + d_offset(type) + 2 * i);
+    const float dmin = has_mins(type) ? half_at(rec + d_offset(type) + 32 + 2 * i) : 0.f;
+    for (int64_t n = 0; n < kSuper; ++n) {
+      // The products in the `gguf` package's order: (d * scale) * q - dmin * min.
+      const float scale = d * static_cast<float>(scale_at(rec, type, i, n));
+      if (has_mins(type)) {
+        const float min = dmin * static_cast<float>(min_at(rec, type, i, n));
+        o[n] = scale * static_cast<float>(value_at(rec, type, i, n)) - min;
+      } else {
+        o[n] = scale * static_cast<float>(value_at(rec, type, i, n) - (1 << offset_shift(type)));
       }
     }
   }
@@ -140,8 +145,8 @@ Weights weights_view(const at::Tensor& packed) {
               "a K-quant weight is a contiguous uint8 [groups, K/256, record bytes]");
   const int64_t record = packed.size(2);
   int type = 0;
-  while (type < 4 && kRecordBytes[type] != record) ++type;
-  TORCH_CHECK(type < 4, "no K-quant type has records of ", record, " bytes");
+  while (type < kTypes && kRecordBytes[type] != record) ++type;
+  TORCH_CHECK(type < kTypes, "no K-quant type has records of ", record, " bytes");
   return {packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1), static_cast<Type>(type), record};
 }
 
@@ -149,6 +154,7 @@ MatmulFn kernel_for(int64_t isa) {
   TORCH_CHECK(yaie_quant::isa_supported(isa), "K-quant matmul: ISA path ", isa, " is not supported by this CPU");
 #if defined(__x86_64__) || defined(__i386__)
   // AVX-VNNI machines take the AVX2 kernel: its 256-bit dot products are the same maddubs work.
+  if (isa == yaie_quant::kAvx512Amx) return matmul_avx512amx;
   if (isa == yaie_quant::kAvx512Vnni) return matmul_avx512vnni;
   if (isa == yaie_quant::kAvx2 || isa == yaie_quant::kAvxVnni) return matmul_avx2;
 #endif

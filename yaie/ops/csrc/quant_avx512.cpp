@@ -20,7 +20,8 @@
 // 8-bit weights the activations are: x + 128 (its bits XOR 0x80, in a copy made once per call,
 // since the unsigned operand cannot be a broadcast from memory), and 128 times the block's sum of
 // each weight row (eight more vpdpbusd against ones, per block, not per activation row) is taken
-// off the integer dot product, so the result is exact in int32 as before.
+// off the integer dot product, so the result is exact in int32 as before. 8-bit weights with mins
+// (Q5_1's, 0..31) go the same way, their min term added as 4-bit weights' is.
 
 #if defined(__x86_64__) || defined(__i386__)
 
@@ -103,14 +104,14 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Groups g .. g+3 against activation rows m .. m+kRows-1 (weights with a scale per 32 values).
-// With 8-bit weights x.q holds the activations + 128.
-template <int kBits, int kRows, typename Scale>
+// Groups g .. g+3 against activation rows m .. m+kRows-1 (weights with a scale per 32 values, and
+// a min per 32 where kMins). With 8-bit weights x.q holds the activations + 128.
+template <int kBits, bool kMins, int kRows, typename Scale>
 void tile_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y, int64_t ldy) {
   constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
   const int64_t stride = w.blocks * 4;  // one group's scales (and mins)
   const Scale* scales = static_cast<const Scale*>(w.scales) + g * stride;
-  const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * stride : nullptr;
+  const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + g * stride : nullptr;
   const uint8_t* p[kTileGroups];
   for (int i = 0; i < kTileGroups; ++i) p[i] = w.qweight + (g + i) * w.blocks * kBytes;
 
@@ -123,10 +124,9 @@ void tile_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_
     transpose_block<kBits>(block, t);
     const __m512 scale = load16(scales + b * 4, stride);
     __m512 min = _mm512_setzero_ps();
+    if constexpr (kMins) min = load16(mins + b * 4, stride);
     __m512i offset = _mm512_setzero_si512();  // 8-bit: 128 x each weight row's sum over the block
-    if constexpr (kBits == 4) {
-      min = load16(mins + b * 4, stride);
-    } else {
+    if constexpr (kBits == 8) {
       const __m512i ones = _mm512_set1_epi32(0x01010101);
       for (int j = 0; j < 8; ++j) offset = _mm512_dpbusd_epi32(offset, ones, t[j]);
       offset = _mm512_slli_epi32(offset, 7);
@@ -144,38 +144,40 @@ void tile_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_
       }
       if constexpr (kBits == 8) dot = _mm512_sub_epi32(dot, offset);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(x.d[xb])), acc[r]);
-      if constexpr (kBits == 4) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x.s[xb]), acc[r]);
+      if constexpr (kMins) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x.s[xb]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(y + (m + r) * ldy + g * kGroupRows, acc[r]);
 }
 
-template <int kBits, typename Scale>
+template <int kBits, bool kMins, typename Scale>
 void tile_all_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, float* y, int64_t ldy) {
   int64_t m = 0;
-  for (; m + 16 <= x.rows; m += 16) tile_rows<kBits, 16, Scale>(w, x, g, m, y, ldy);
+  for (; m + 16 <= x.rows; m += 16) tile_rows<kBits, kMins, 16, Scale>(w, x, g, m, y, ldy);
   if (m + 8 <= x.rows) {
-    tile_rows<kBits, 8, Scale>(w, x, g, m, y, ldy);
+    tile_rows<kBits, kMins, 8, Scale>(w, x, g, m, y, ldy);
     m += 8;
   }
   if (m + 4 <= x.rows) {
-    tile_rows<kBits, 4, Scale>(w, x, g, m, y, ldy);
+    tile_rows<kBits, kMins, 4, Scale>(w, x, g, m, y, ldy);
     m += 4;
   }
   if (m + 2 <= x.rows) {
-    tile_rows<kBits, 2, Scale>(w, x, g, m, y, ldy);
+    tile_rows<kBits, kMins, 2, Scale>(w, x, g, m, y, ldy);
     m += 2;
   }
-  if (m < x.rows) tile_rows<kBits, 1, Scale>(w, x, g, m, y, ldy);
+  if (m < x.rows) tile_rows<kBits, kMins, 1, Scale>(w, x, g, m, y, ldy);
 }
 
 template <typename Scale>
 void tiles(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y, int64_t ldy) {
   for (int64_t g = first; g < last; g += kTileGroups) {
     if (w.bits == 4) {
-      tile_all_rows<4, Scale>(w, x, g, y, ldy);
+      tile_all_rows<4, true, Scale>(w, x, g, y, ldy);
+    } else if (w.mins != nullptr) {
+      tile_all_rows<8, true, Scale>(w, x, g, y, ldy);
     } else {
-      tile_all_rows<8, Scale>(w, x, g, y, ldy);
+      tile_all_rows<8, false, Scale>(w, x, g, y, ldy);
     }
   }
 }

@@ -8,17 +8,17 @@
 //          value i of row 2p in its low nibble and value i of row 2p+1 in its high nibble, so
 //          one AND and one shift yield two rows' blocks. w = scale * q + min, q in 0..15.
 //   8-bit  qweight int8  [groups, K/32, 128]: the four rows' 32 values one after another.
-//          w = scale * q.
+//          w = scale * q, or scale * q + min for the formats with mins (Q5_1, q in 0..31).
 //   scales [groups, K/32, 4]: one per row and 32-block.
-//   mins   [groups, K/32, 4], 4-bit only.
+//   mins   [groups, K/32, 4]: always for 4-bit weights; for 8-bit ones only where they have mins.
 //   Scales and mins are float16 where every one of a weight's values is exactly a float16 (GGUF's
-//   Q4_0, Q4_1 and Q8_0 store them so), else float32: at one row the matmul is bound by reading
-//   memory, and float16 makes a 4-bit weight 5 bits a value instead of 6.
+//   Q4_0, Q4_1, Q5_1 and Q8_0 store them so), else float32: at one row the matmul is bound by
+//   reading memory, and float16 makes a 4-bit weight 5 bits a value instead of 6.
 //
 // Rows past out_features (the last group's padding) have zero scales and mins.
 //
 // Activations are quantized per row to int8 in blocks of 32 (llama.cpp's Q8_0 / Q8_1): a scale
-// d per block and, for the 4-bit weights' min term, d * sum(q) per block.
+// d per block and, for the weights' min term, d * sum(q) per block.
 
 #pragma once
 
@@ -32,7 +32,7 @@ constexpr int64_t kBlock = 32;
 struct PackedWeights {
   const uint8_t* qweight;
   const void* scales;  // float, or float16 bits (uint16_t) when half_scales
-  const void* mins;    // as scales; nullptr for 8-bit weights
+  const void* mins;    // as scales; nullptr for 8-bit weights without mins
   int64_t groups;
   int64_t blocks;      // K / 32
   int bits;            // 4 or 8
@@ -57,7 +57,8 @@ void quantize_row_avx2(const float* x, int64_t blocks, int8_t* q, float* d, floa
 #endif
 
 // Kernel paths, lowest first; the value is what the Python side passes as `isa`.
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+// kAvx512Amx: AVX512-VNNI, and AMX tile multiplies where a kernel has them (the K-quants').
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAvx512Amx = 4 };
 
 // y[m, 4g .. 4g+3] for every activation row m and group g in [first, last); y is [rows, ldy].
 using MatmulFn = void (*)(const PackedWeights&, const QuantizedRows&, int64_t first, int64_t last, float* y,

@@ -1,10 +1,10 @@
 // Matmuls with quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x fp32, W packed as
-// quant_common.h describes (GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / IQ4_XS, AWQ / GPTQ int4, or
+// quant_common.h describes (GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL, AWQ / GPTQ int4, or
 // int8 / int4 quantized at load, all packed into two formats by yaie/ops/quant_layout.py; the
 // K-quants have their own kernels, kquant.cpp).
 //
 // Few rows (decoding): each activation row is quantized once to int8 blocks of 32, then every
-// block is an integer dot product and one scale FMA (plus one for the min of 4-bit weights), in
+// block is an integer dot product and one scale FMA (plus one for the min, where there is one), in
 // the ISA path the caller names: scalar here, the SIMD ones in quant_x86.cpp. Decoding reads each
 // weight once per step, so reading 4-5 bits instead of 32 is what makes it fast.
 //
@@ -15,6 +15,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -58,7 +64,7 @@ void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first
             for (int64_t i = 0; i < kBlock; ++i) dot += q[i] * xq[i];
           }
           acc += static_cast<float>(dot) * (stored_float(w.scales, wb * 4 + r, w.half_scales) * x.d[xb]);
-          if (w.bits == 4) acc += stored_float(w.mins, wb * 4 + r, w.half_scales) * x.s[xb];
+          if (w.mins != nullptr) acc += stored_float(w.mins, wb * 4 + r, w.half_scales) * x.s[xb];
         }
         y[m * ldy + g * kGroupRows + r] = acc;
       }
@@ -90,6 +96,25 @@ void quantize_row_scalar(const float* x, int64_t blocks, int8_t* q, float* d, fl
 }
 #pragma GCC pop_options
 
+#if defined(__x86_64__) || defined(__i386__)
+namespace {
+
+// AMX's tile state is off for a process until it asks Linux for it (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the CPU's flags alone do not make it usable.
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile_int8 = (edx >> 24 & 1) && (edx >> 25 & 1);  // AMX-TILE, AMX-INT8
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return tile_int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+}  // namespace
+#endif
+
 bool isa_supported(int64_t isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
@@ -105,6 +130,8 @@ bool isa_supported(int64_t isa) {
     case kAvx512Vnni:
       return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512vnni");
+    case kAvx512Amx:
+      return isa_supported(kAvx512Vnni) && __builtin_cpu_supports("avx512bw") && amx_usable();
     default:
       return false;
   }
@@ -133,6 +160,7 @@ Kernels kernels_for(int64_t isa) {
     case kAvxVnni:
       return {quantize_row_avx2, matmul_avxvnni};
     case kAvx512Vnni:
+    case kAvx512Amx:  // these kernels have no AMX path
       return {quantize_row_avx2, matmul_avx512vnni};
     default:
       break;
@@ -167,25 +195,22 @@ PackedWeights packed_view(const at::Tensor& qweight, const at::Tensor& scales, c
   TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous(), "qweight must be a contiguous [groups, K/32, bytes]");
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "scales must be a contiguous float32 or float16 [groups, K/32, 4 or 8]");
+              "scales must be a contiguous float32 or float16 [groups, K/32, 4]");
   TORCH_CHECK(scales.size(0) == qweight.size(0) && scales.size(1) == qweight.size(1),
               "scales and qweight disagree on groups or blocks");
   PackedWeights w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), nullptr, qweight.size(0),
                   qweight.size(1), 0, scales.scalar_type() == at::kHalf};
-  if (qweight.scalar_type() == at::kByte && qweight.size(2) == 64) {
-    w.bits = 4;
-    TORCH_CHECK(scales.size(2) == 4, "4-bit weights take one scale per 32 values");
-    TORCH_CHECK(mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous() &&
-                    mins->scalar_type() == scales.scalar_type(),
-                "4-bit weights need mins shaped and typed like their scales");
+  const bool four_bit = qweight.scalar_type() == at::kByte && qweight.size(2) == 64;
+  TORCH_CHECK(four_bit || (qweight.scalar_type() == at::kChar && qweight.size(2) == 128),
+              "qweight must be uint8 [groups, K/32, 64] (4-bit) or int8 [groups, K/32, 128] (8-bit)");
+  TORCH_CHECK(scales.size(2) == 4, "weights take one scale per 32 values");
+  TORCH_CHECK(mins.has_value() || !four_bit, "4-bit weights need mins");
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->is_contiguous() && mins->scalar_type() == scales.scalar_type(),
+                "mins must be shaped and typed like the scales");
     w.mins = mins->data_ptr();
-  } else {
-    TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(2) == 128,
-                "qweight must be uint8 [groups, K/32, 64] (4-bit) or int8 [groups, K/32, 128] (8-bit)");
-    TORCH_CHECK(scales.size(2) == 4, "8-bit weights take one scale per 32 values");
-    TORCH_CHECK(!mins.has_value(), "8-bit weights have no mins");
-    w.bits = 8;
   }
+  w.bits = four_bit ? 4 : 8;
   return w;
 }
 
@@ -230,14 +255,14 @@ void dequantize_row(const PackedWeights& w, int64_t g, int64_t r, float* out) {
     const uint8_t* qw = w.qweight + wb * bytes;
     float* o = out + b * kBlock;
     const float scale = stored_float(w.scales, wb * 4 + r, w.half_scales);
+    const float min = w.mins != nullptr ? stored_float(w.mins, wb * 4 + r, w.half_scales) : 0.f;
     if (w.bits == 4) {
       const uint8_t* pair = qw + (r / 2) * 32;
       const int shift = 4 * (r % 2);
-      const float min = stored_float(w.mins, wb * 4 + r, w.half_scales);
       for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>((pair[i] >> shift) & 0x0F) + min;
     } else {
       const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
-      for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>(q[i]);
+      for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>(q[i]) + min;
     }
   }
 }

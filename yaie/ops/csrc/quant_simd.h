@@ -97,14 +97,14 @@ constexpr int64_t kPrefetchBlocks = 32;
 
 // One group of four weight rows against kRows activation rows starting at m, a block at a time:
 // the weights are unpacked once per block and used for every row, the register blocking of the
-// many-row case.
-template <int kBits, int kRows, typename Scale>
+// many-row case. kMins: the weight has mins (always with 4 bits; with 8, Q5_1's).
+template <int kBits, bool kMins, int kRows, typename Scale>
 static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
                               int64_t ldy) {
   constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
   const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 4;
-  const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
+  const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
 
   __m256 acc[kRows];  // lanes 0-3 the rows' sums over values 0-15 of each block, 4-7 over 16-31
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
@@ -115,12 +115,12 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
     const __m256 scale = _mm256_set_m128(four, four);
     // The min term is added once per row: in the low half only.
     __m256 min = _mm256_setzero_ps();
-    if constexpr (kBits == 4) min = _mm256_insertf128_ps(min, load4(mins + b * 4), 0);
+    if constexpr (kMins) min = _mm256_insertf128_ps(min, load4(mins + b * 4), 0);
     for (int r = 0; r < kRows; ++r) {
       const int64_t xb = (m + r) * x.blocks + b;
       const __m256i dots = dot_4rows(wq, load_block(x.q + xb * kBlock), kBits == 8);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[xb])), acc[r]);
-      if constexpr (kBits == 4) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s[xb]), acc[r]);
+      if constexpr (kMins) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s[xb]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -133,12 +133,12 @@ static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, in
 // (pair_dots), where a block at a time spends as much on its four scales as on its products.
 // With several rows the scales are shared by all of them, and two blocks' unpacked weights
 // would not leave registers for four rows: group_rows keeps that case.
-template <int kBits, typename Scale>
+template <int kBits, bool kMins, typename Scale>
 static inline void group_row_pairs(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y) {
   constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
   const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 4;
-  const Scale* mins = kBits == 4 ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
+  const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
   const int64_t row = m * x.blocks;
 
   __m256 acc = _mm256_setzero_ps();  // lanes 0-3 the rows' sums over even blocks, 4-7 over odd ones
@@ -154,7 +154,7 @@ static inline void group_row_pairs(const PackedWeights& w, const QuantizedRows& 
     const int64_t xb = row + b;
     const __m256i dots = pair_dots<kBits>(w0, w1, load_block(x.q + xb * kBlock), load_block(x.q + (xb + 1) * kBlock));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(load8(scales + b * 4), broadcast_pair(x.d + xb)), acc);
-    if constexpr (kBits == 4) acc = _mm256_fmadd_ps(load8(mins + b * 4), broadcast_pair(x.s + xb), acc);
+    if constexpr (kMins) acc = _mm256_fmadd_ps(load8(mins + b * 4), broadcast_pair(x.s + xb), acc);
   }
   __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   if (b < w.blocks) {  // an odd number of blocks: the last one alone
@@ -164,18 +164,18 @@ static inline void group_row_pairs(const PackedWeights& w, const QuantizedRows& 
     const __m256i d = dot_4rows(w0, load_block(x.q + xb * kBlock), kBits == 8);
     const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
     sum = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(load4(scales + b * 4), _mm_set1_ps(x.d[xb])), sum);
-    if constexpr (kBits == 4) sum = _mm_fmadd_ps(load4(mins + b * 4), _mm_set1_ps(x.s[xb]), sum);
+    if constexpr (kMins) sum = _mm_fmadd_ps(load4(mins + b * 4), _mm_set1_ps(x.s[xb]), sum);
   }
   _mm_storeu_ps(y + g * 4, sum);
 }
 
-template <int kBits, typename Scale>
+template <int kBits, bool kMins, typename Scale>
 static void groups_all_rows(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                             int64_t ldy) {
   for (int64_t g = first; g < last; ++g) {
     int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, 4, Scale>(w, x, g, m, y, ldy);
-    for (; m < x.rows; ++m) group_row_pairs<kBits, Scale>(w, x, g, m, y + m * ldy);
+    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kMins, 4, Scale>(w, x, g, m, y, ldy);
+    for (; m < x.rows; ++m) group_row_pairs<kBits, kMins, Scale>(w, x, g, m, y + m * ldy);
   }
 }
 
@@ -183,9 +183,11 @@ template <typename Scale>
 static void matmul_scaled(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                           int64_t ldy) {
   if (w.bits == 4) {
-    groups_all_rows<4, Scale>(w, x, first, last, y, ldy);
+    groups_all_rows<4, true, Scale>(w, x, first, last, y, ldy);
+  } else if (w.mins != nullptr) {
+    groups_all_rows<8, true, Scale>(w, x, first, last, y, ldy);
   } else {
-    groups_all_rows<8, Scale>(w, x, first, last, y, ldy);
+    groups_all_rows<8, false, Scale>(w, x, first, last, y, ldy);
   }
 }
 
