@@ -19,6 +19,10 @@ class InvalidRequestError(YaieError, ValueError):
         self.param = param
 
 
+class RequestFailedError(YaieError):
+    """The engine failed while running this request; other requests go on (HTTP 500)."""
+
+
 class ModelLoadError(YaieError):
     """The model path does not exist or holds nothing we can load."""
 

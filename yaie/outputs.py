@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from yaie.errors import YaieError
+
 
 @dataclass
 class TokenLogprob:
@@ -51,6 +53,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # A pooling request's result (its `outputs` is empty); None for a generation request.
     pooled: PoolingOutput | None = None
-    # Set when the engine failed on this request (and on it alone): it is finished, and what it
-    # generated so far is all it will get.
-    error: str | None = None
+    # Set when the request failed (alone: the others go on): it is finished, and what it
+    # generated so far is all it will get. A RequestFailedError when the engine failed on it, an
+    # InvalidRequestError when its own input turned out to be more than the engine can run (a
+    # grammar the library gave up on mid-way).
+    error: YaieError | None = None

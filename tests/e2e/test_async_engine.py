@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from yaie import LLM, InvalidRequestError, SamplingParams
-from yaie.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError, RequestFailedError
+from yaie.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError
 from yaie.engine.engine import Engine
+from yaie.errors import RequestFailedError
 from yaie.outputs import RequestOutput
 from yaie.server.app import build_app
 from yaie.structured.spec import StructuredOutputs

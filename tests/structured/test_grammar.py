@@ -115,7 +115,7 @@ def test_matchers_of_one_grammar_are_independent(compiler: GrammarCompiler, toke
     ("spec", "message"),
     [
         (StructuredOutputs(regex="[a-"), "regex is invalid"),
-        (StructuredOutputs(json={"type": "frobnicate"}), "json is invalid"),
+        (StructuredOutputs(json={"type": "frobnicate"}), "the schema is invalid"),
         (StructuredOutputs(json="{not json"), "Expecting"),
         (StructuredOutputs(json="[1, 2]"), "must be a JSON object"),
         (StructuredOutputs(grammar="start: (("), "grammar is invalid"),

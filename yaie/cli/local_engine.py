@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from yaie.cli.engine_args import engine_config
 from yaie.cli.terminal import loading_bar, log_to_terminal
 from yaie.engine.engine import Engine
-from yaie.errors import YaieError
 from yaie.sampling_params import SamplingParams
 
 
@@ -26,8 +25,8 @@ def stream_text(engine: Engine, prompt: str | list[int], params: SamplingParams)
         finished = False
         while not finished:
             for output in engine.step():
-                if output.error is not None:  # the engine failed on this request (and only on it)
-                    raise YaieError(output.error)
+                if output.error is not None:  # the request failed (and only it)
+                    raise output.error
                 yield output.outputs[0].delta_text
                 finished = output.finished
     finally:

@@ -36,7 +36,7 @@ from yaie.engine.engine import Engine, EngineStats
 from yaie.engine.input_processor import ProcessedRequest
 from yaie.engine.request import deadline_after
 from yaie.engine.snapshot import EngineSnapshots
-from yaie.errors import YaieError
+from yaie.errors import RequestFailedError, YaieError
 from yaie.outputs import RequestOutput
 from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
@@ -55,10 +55,6 @@ class EngineOverloadedError(YaieError):
 
 class EngineClosedError(YaieError):
     """The engine is shutting down and takes no more requests (HTTP 503)."""
-
-
-class RequestFailedError(YaieError):
-    """The engine failed while running this request; other requests go on (HTTP 500)."""
 
 
 class RequestStream:
@@ -427,8 +423,7 @@ class AsyncEngine:
                 continue  # aborted while this step ran
             if output.finished:
                 del self._streams[output.request_id]
-            failure = RequestFailedError(output.error) if output.error is not None else None
-            deliveries.append((output.request_id, entry, failure or output))
+            deliveries.append((output.request_id, entry, output.error or output))
         self._deliver(deliveries)
 
     def _deliver(

@@ -47,7 +47,7 @@ from yaie.engine.scheduler import Scheduler, SchedulerOutput
 from yaie.engine.sequence import Sequence, SequenceStatus
 from yaie.engine.step_log import StepLog
 from yaie.engine.step_shape import StepShape, StepTotals
-from yaie.errors import InvalidRequestError
+from yaie.errors import InvalidRequestError, RequestFailedError, YaieError
 from yaie.model.loader import LoadProgress, load_model, resolve_model_path
 from yaie.outputs import RequestOutput, TokenLogprob
 from yaie.pooling_params import PoolingParams
@@ -263,7 +263,7 @@ class Engine:
             outputs.append(self.output_processor.time_out(request))
         return outputs
 
-    def _fail(self, request: Request, error: str) -> None:
+    def _fail(self, request: Request, error: YaieError) -> None:
         """Finish a request with an error between two stages of a step: its sequences are freed
         now, and its last output, carrying `error`, goes out with the step's outputs."""
         self.abort(request.request_id)
@@ -329,6 +329,10 @@ class Engine:
         seeded = [(s.generator, s.generator.get_state()) for s in plan.sampling_seqs if s.generator]
         try:
             return (plan, *self._forward_plan(plan))
+        except InvalidRequestError as exc:  # a request's own input: no failure of ours to trace
+            logger.warning(
+                "a step of %d sequences failed (%s); retrying one at a time", len(plan.scheduled), exc
+            )
         except Exception:
             logger.exception("a step of %d sequences failed; retrying one at a time", len(plan.scheduled))
         for generator, state in seeded:
@@ -338,10 +342,16 @@ class Engine:
             try:
                 results.append((item, self._forward_plan(SchedulerOutput((item,)))))
             except Exception as exc:
-                logger.exception("sequence %s failed alone: failing its request", item.seq.seq_id)
+                error: YaieError
+                if isinstance(exc, InvalidRequestError):
+                    logger.warning("request %s failed on its input: %s", item.seq.request_id, exc)
+                    error = exc
+                else:
+                    logger.exception("sequence %s failed alone: failing its request", item.seq.seq_id)
+                    error = RequestFailedError(f"the engine failed on this request: {exc!r}")
                 request = self.requests.get(item.seq.request_id)
                 if request is not None:
-                    self._fail(request, f"the engine failed on this request: {exc!r}")
+                    self._fail(request, error)
         # A failed request's other choices may have run fine: they go too.
         kept = [(item, result) for item, result in results if item.seq.request_id in self.requests]
         runs = [result for _, result in kept]

@@ -35,6 +35,7 @@ from yaie.engine.model_runner import RunnerOutput
 from yaie.engine.request import Choice, Request
 from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
 from yaie.engine.sequence import Sequence, SequenceStatus
+from yaie.errors import InvalidRequestError, RequestFailedError, YaieError
 from yaie.outputs import CompletionOutput, PoolingOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import SamplerOutput, prompt_logprobs
 from yaie.sampling_params import SamplingParams
@@ -67,9 +68,15 @@ class OutputProcessor:
             """Turn an error raised while processing one request into that request's failure."""
             try:
                 yield
+            except InvalidRequestError as exc:  # its own input: no failure of ours to trace
+                logger.warning("request %s failed on its input: %s", request.request_id, exc)
+                failed[request.request_id] = fail(request, exc)
+                finished.update(unfinished_seqs(request))
             except Exception as exc:
                 logger.exception("processing the output of request %s failed", request.request_id)
-                failed[request.request_id] = fail(request, f"processing the output failed: {exc!r}")
+                failed[request.request_id] = fail(
+                    request, RequestFailedError(f"processing the output failed: {exc!r}")
+                )
                 finished.update(unfinished_seqs(request))
 
         for seq, first_target, logits in model_output.prompt_logits:
@@ -153,8 +160,9 @@ class OutputProcessor:
         assert detokenizer is not None, "every choice of a generation request has a detokenizer"
         seq.append_token(token_id)
         if seq.grammar is not None and not seq.grammar.accept(token_id):
-            # The mask allowed only what the grammar accepts, so this is the library's failure.
-            raise RuntimeError(f"the grammar refused token {token_id}: {seq.grammar.error}")
+            # The mask allowed only what the grammar accepts, so the library gave up: on a limit
+            # of its own it met only now (the client's grammar is too much for it), or a failure.
+            raise seq.grammar.failure()
         if choice.logprobs is not None and logprob is not None:
             choice.logprobs.append(logprob)
         may_stop = seq.num_output_tokens >= params.min_tokens
@@ -209,7 +217,8 @@ class OutputProcessor:
                     choice.text += choice.detokenizer.flush()
                 choice.finish_reason = SequenceStatus.FINISHED_TIMEOUT.value
         if not isinstance(request.params, SamplingParams):
-            return fail(request, "the request's timeout passed before its prompt was pooled")
+            error = RequestFailedError("the request's timeout passed before its prompt was pooled")
+            return fail(request, error)
         return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
@@ -247,7 +256,7 @@ class OutputProcessor:
         )
 
 
-def fail(request: Request, error: str) -> RequestOutput:
+def fail(request: Request, error: YaieError) -> RequestOutput:
     """Finish a request with an error: its choices are marked aborted, and its last output,
     carrying `error`, is returned."""
     for choice in request.choices:

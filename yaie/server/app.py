@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,8 +162,12 @@ class OpenAIServer:
         body: p.SamplingRequest,
         params: SamplingParams,
         requests: Sequence[tuple[str, list[int]]],
+        translate_error: Callable[[InvalidRequestError], InvalidRequestError] | None = None,
     ) -> Generation:
-        """Add one engine request per (id, prompt token ids): all of them, or none."""
+        """Add one engine request per (id, prompt token ids): all of them, or none. The engine's
+        refusals, at admission or while the requests run, name the fields of `body`'s API
+        (`translate_error`, by default `body`'s own)."""
+        translate = translate_error or body.translate_error
         trackers = [RequestTracker(self.metrics) for _ in requests]  # their clocks start on arrival
         params = self._with_default_max_tokens(params, [prompt for _, prompt in requests])
         timeout = body.timeout if body.timeout is not None else self.limits.request_timeout
@@ -172,8 +176,8 @@ class OpenAIServer:
                 requests, params, self.limits.max_waiting, priority=body.priority or 0, timeout=timeout
             )
         except InvalidRequestError as exc:
-            raise body.translate_error(exc) from exc
-        return Generation(request, streams, trackers, params.n, self.metrics)
+            raise translate(exc) from exc
+        return Generation(request, streams, trackers, params.n, self.metrics, translate)
 
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -319,10 +323,10 @@ class OpenAIServer:
         params = body.to_sampling_params(chat, self.tool_format, self.defaults.sampling)
         prompt = await self._encode_chat(chat)
         message_id = f"msg_{uuid.uuid4().hex}"
-        try:
-            generation = await self._start(request, chat, params, [(message_id, prompt)])
-        except InvalidRequestError as exc:
-            raise anthropic.translate_error(exc) from exc
+        generation = await self._start(
+            request, chat, params, [(message_id, prompt)],
+            lambda exc: anthropic.translate_error(chat.translate_error(exc)),
+        )  # fmt: skip
         message = AnthropicMessage(
             message_id, self.model_name, chat, self.tool_format, self.starts_in_reasoning(prompt, params),
             body.thinks,

@@ -30,8 +30,8 @@ from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
-from yaie.engine.async_engine import EngineClosedError, EngineOverloadedError, RequestFailedError
-from yaie.errors import InvalidRequestError, YaieError
+from yaie.engine.async_engine import EngineClosedError, EngineOverloadedError
+from yaie.errors import InvalidRequestError, RequestFailedError, YaieError
 from yaie.server import anthropic_protocol as anthropic
 from yaie.server import protocol as p
 

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from yaie.engine.async_engine import RequestStream
+from yaie.errors import InvalidRequestError
 from yaie.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from yaie.server import protocol as p
 from yaie.server.errors import APIError, ClientDisconnected, api_error
@@ -143,9 +144,13 @@ class Generation:
         trackers: list[RequestTracker],
         n: int,
         metrics: ServerMetrics,
+        translate_error: Callable[[InvalidRequestError], InvalidRequestError] = lambda exc: exc,
     ) -> None:
         self._request = request
         self._metrics = metrics
+        # A request refused while it runs (a grammar the library gave up on) names the engine's
+        # field; this names the API's (SamplingRequest.translate_error), as a refusal at admission does.
+        self._translate_error = translate_error
         self._streams = streams
         self._trackers = trackers
         self.n = n  # choices per prompt
@@ -156,10 +161,13 @@ class Generation:
         ClientDisconnected at the end if the client left (which aborted the requests)."""
         streams = self._streams
         async with abort_on_exit(self._request, streams), contextlib.aclosing(merge(streams)) as outputs:
-            async for i, output in outputs:
-                self._trackers[i].observe(output)
-                first, self._finals[i] = self._finals[i] is None, output
-                yield i, output, first
+            try:
+                async for i, output in outputs:
+                    self._trackers[i].observe(output)
+                    first, self._finals[i] = self._finals[i] is None, output
+                    yield i, output, first
+            except InvalidRequestError as exc:
+                raise self._translate_error(exc) from exc
         if any(stream.aborted for stream in streams):
             self._metrics.requests_aborted_slow_client.inc(sum(stream.overflowed for stream in streams))
             raise ClientDisconnected()

@@ -109,16 +109,16 @@ class _RefRewriter:
         named anchors (`#name`), are left as they are."""
         if not ref.startswith("#") or ref[1:2] not in ("", "/"):
             return ref
-        tokens = [_unescape(token) for token in ref[1:].split("/")[1:]]
+        tokens = [unescape(token) for token in ref[1:].split("/")[1:]]
         hoisted = self._hoisted.get((tokens[0], tokens[1])) if len(tokens) >= 2 else None
         tokens = ["$defs", hoisted, *tokens[2:]] if hoisted is not None else [*self._base, *tokens]
-        return "#" + "".join(f"/{_escape(token)}" for token in tokens)
+        return "#" + "".join(f"/{escape(token)}" for token in tokens)
 
 
-def _unescape(token: str) -> str:
+def unescape(token: str) -> str:
     """A JSON pointer token of a URI fragment, decoded (RFC 6901: percent-encoding, then ~1 and ~0)."""
     return unquote(token).replace("~1", "/").replace("~0", "~")
 
 
-def _escape(token: str) -> str:
+def escape(token: str) -> str:
     return quote(token.replace("~", "~0").replace("/", "~1"), safe="!$&'()*+,;=:@")
