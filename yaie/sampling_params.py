@@ -7,7 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from yaie.errors import InvalidRequestError
-from yaie.structured.spec import StructuredOutputs
+from yaie.structured.spec import StructuredOutputs, ToolCallSpans
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
@@ -42,8 +42,12 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Output constrained to a JSON schema, regex, choice or grammar (yaie/structured/).
+    # Output constrained to a JSON schema, regex, choice or grammar (yaie/structured/). The
+    # constraint spans the whole output, so no stop string or stop token applies to it.
     structured_outputs: StructuredOutputs | None = None
+    # yaie's: tool calls the free text may hold (tool_choice "auto"), which no stop string or
+    # stop token cuts (yaie/structured/spec.py).
+    tool_call_spans: ToolCallSpans | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,8 +68,11 @@ class SamplingParams:
     def ending_token_ids(self, eos_token_ids: Collection[int]) -> set[int]:
         """The one stop rule for tokens: these ids end a sequence once it has `min_tokens` output
         tokens (the engine stops on them), and until then they may not be sampled (the sampler
-        bans them). With `ignore_eos`, EOS is an ordinary token."""
-        return set(self.stop_token_ids) if self.ignore_eos else {*self.stop_token_ids, *eos_token_ids}
+        bans them). With `ignore_eos`, EOS is an ordinary token. With structured outputs, so
+        are stop tokens: one inside the constrained output would cut it short, and the grammar
+        ends the sequence itself once its output is complete (allowing EOS only then)."""
+        stop_token_ids = set() if self.structured_outputs is not None else set(self.stop_token_ids)
+        return stop_token_ids if self.ignore_eos else {*stop_token_ids, *eos_token_ids}
 
     def validate(self) -> None:
         def bad(param: str, message: str) -> InvalidRequestError:

@@ -1,7 +1,8 @@
 """Anthropic's Messages API through the official `anthropic` client against a real server: whole
 and streamed messages, the system prompt, stop sequences and max_tokens as stop reasons, tool
-calls that validate against their schema and a tool result that continues the conversation,
-count_tokens, bad requests as Anthropic's errors, and the x-api-key header."""
+calls that validate against their schema (stop sequences never cut them) and a tool result that
+continues the conversation, count_tokens, bad requests as Anthropic's errors, and the x-api-key
+header."""
 
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def test_a_required_call_is_a_valid_tool_use(
             messages=WEATHER_QUESTION,
             tools=TOOLS,
             tool_choice=tool_choice,
+            # Each occurs inside the call's JSON: no stop sequence cuts a constrained answer.
+            stop_sequences=['"', ",", ":", "}", " "],
             extra_body=sampling,
         )
         if stream:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from yaie.errors import InvalidRequestError
 from yaie.sampling_params import FLOAT_FIELDS, GREEDY_TEMPERATURE, SamplingParams
+from yaie.structured.spec import StructuredOutputs
 
 
 @pytest.mark.parametrize("name", FLOAT_FIELDS)
@@ -44,3 +46,10 @@ def test_the_floor_itself_still_samples() -> None:
 def test_ending_tokens_follow_ignore_eos() -> None:
     assert SamplingParams(stop_token_ids=[7]).ending_token_ids({2}) == {2, 7}
     assert SamplingParams(stop_token_ids=[7], ignore_eos=True).ending_token_ids({2}) == {7}
+
+
+def test_stop_tokens_do_not_end_a_constrained_output() -> None:
+    """The grammar spans the whole output and ends it itself, allowing EOS once it is complete."""
+    constrained = SamplingParams(stop_token_ids=[7], structured_outputs=StructuredOutputs(regex="a+"))
+    assert constrained.ending_token_ids({2}) == {2}
+    assert replace(constrained, ignore_eos=True).ending_token_ids({2}) == set()

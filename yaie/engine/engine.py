@@ -32,7 +32,6 @@ import torch
 from yaie.cache.block_pool import BlockPool
 from yaie.cache.radix_cache import RadixCache
 from yaie.config import EngineConfig
-from yaie.engine.detokenizer import IncrementalDetokenizer
 from yaie.engine.input_processor import InputProcessor, ProcessedRequest
 from yaie.engine.model_runner import ModelRunner, RunnerOutput
 from yaie.engine.output_processor import OutputProcessor, fail, unfinished_seqs
@@ -49,7 +48,7 @@ from yaie.engine.step_log import StepLog
 from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.errors import InvalidRequestError, RequestFailedError, YaieError
 from yaie.model.loader import LoadProgress, load_model, resolve_model_path
-from yaie.outputs import RequestOutput, TokenLogprob
+from yaie.outputs import RequestOutput
 from yaie.pooling_params import PoolingParams
 from yaie.sampling.sampler import Sampler, SamplerOutput
 from yaie.sampling_params import SamplingParams
@@ -230,9 +229,7 @@ class Engine:
             if params.seed is not None:
                 # Any integer is a valid seed: fold it into the 64 bits a generator takes.
                 seq.generator = torch.Generator(self.device).manual_seed((params.seed + index) % 2**64)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-            logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-            request.choices.append(Choice(seq, detokenizer, logprobs=logprobs))
+            request.choices.append(self.output_processor.new_choice(seq))
         return request
 
     def encode_chat(

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from yaie.engine.detokenizer import IncrementalDetokenizer
 from yaie.engine.model_runner import RunnerOutput
 from yaie.engine.request import Choice, Request
 from yaie.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -39,6 +40,8 @@ from yaie.errors import InvalidRequestError, RequestFailedError, YaieError
 from yaie.outputs import CompletionOutput, PoolingOutput, RequestOutput, TokenLogprob
 from yaie.sampling.sampler import SamplerOutput, prompt_logprobs
 from yaie.sampling_params import SamplingParams
+from yaie.structured import tool_formats
+from yaie.structured.tools import FreeText
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+
+    def new_choice(self, seq: Sequence) -> Choice:
+        """The choice a generating sequence answers with, ready for this stage: a detokenizer, a
+        list for its logprobs when its request asks for them, and, when stop rules must leave its
+        tool calls whole, a tracker of where they are."""
+        params = seq.sampling_params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        spans = None
+        if params.tool_call_spans is not None and (params.stop or params.stop_token_ids):
+            spans = tool_formats.call_spans(params.tool_call_spans)
+        return Choice(seq, detokenizer, logprobs=logprobs, call_spans=spans)
 
     def process(
         self,
@@ -166,8 +181,13 @@ class OutputProcessor:
         if choice.logprobs is not None and logprob is not None:
             choice.logprobs.append(logprob)
         may_stop = seq.num_output_tokens >= params.min_tokens
+        spans = choice.call_spans
         status: SequenceStatus | None = None
-        if may_stop and token_id in params.ending_token_ids(self.eos_token_ids):
+        if (
+            may_stop
+            and token_id in params.ending_token_ids(self.eos_token_ids)
+            and (spans is None or not spans.in_call or token_id in self.eos_token_ids)
+        ):
             status = SequenceStatus.FINISHED_STOPPED
             # As in vLLM: stop_reason names a stop token, and stays None for EOS.
             seq.stop_reason = None if token_id in self.eos_token_ids else token_id
@@ -177,8 +197,13 @@ class OutputProcessor:
             delta = detokenizer.add(token_id)
             if delta:
                 choice.text += delta
-                if may_stop and params.stop and self._cut_at_stop_string(choice, params, len(delta)):
-                    status = SequenceStatus.FINISHED_STOPPED
+                # Stop strings apply to free text only: never inside the output a grammar
+                # constrains (all of it), nor inside a tool call.
+                if seq.grammar is None and (params.stop or spans is not None):
+                    end = len(choice.text)
+                    free = [(0, end - len(delta), end)] if spans is None else spans.advance(choice.text)
+                    if may_stop and params.stop and self._cut_at_stop_string(choice, params, free):
+                        status = SequenceStatus.FINISHED_STOPPED
         if status is None and seq.grammar is not None and seq.grammar.is_terminated():
             status = SequenceStatus.FINISHED_STOPPED  # nothing more can follow
             choice.text += detokenizer.flush()
@@ -193,19 +218,21 @@ class OutputProcessor:
         return status
 
     @staticmethod
-    def _cut_at_stop_string(choice: Choice, params: SamplingParams, delta_len: int) -> bool:
-        """Cut the text at the first stop string that the newest delta completed."""
+    def _cut_at_stop_string(choice: Choice, params: SamplingParams, free: list[FreeText]) -> bool:
+        """Cut the text at the first stop string that ends in the newly decided free text
+        `free`: (start of its run of free text, start, end) ranges, in order."""
         longest = max(len(s) for s in params.stop)
-        search_from = max(0, len(choice.text) - delta_len - longest + 1)
-        hits = [(choice.text.find(s, search_from), s) for s in params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        end = pos + len(stop) if params.include_stop_str_in_output else pos
-        choice.text = choice.text[:end]
-        choice.seq.stop_reason = stop
-        return True
+        for run, start, end in free:
+            search_from = max(run, start - longest + 1)
+            hits = [(choice.text.find(s, search_from, end), s) for s in params.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, stop = min(hits)
+                cut = pos + len(stop) if params.include_stop_str_in_output else pos
+                choice.text = choice.text[:cut]
+                choice.seq.stop_reason = stop
+                return True
+        return False
 
     def time_out(self, request: Request) -> RequestOutput:
         """The last output of a request whose deadline passed: each choice still going ends
@@ -222,15 +249,20 @@ class OutputProcessor:
         return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        holdback = max((len(s) for s in request.sampling_params.stop), default=1) - 1
+        params = request.sampling_params
+        holdback = 0
+        if params.structured_outputs is None:  # stop strings never cut a constrained output
+            holdback = max((len(s) for s in params.stop), default=1) - 1
         outputs = []
         for choice in request.choices:
             seq = choice.seq
-            visible = (
-                len(choice.text)
-                if choice.finish_reason
-                else max(choice.num_sent_chars, len(choice.text) - holdback)
-            )
+            visible = len(choice.text)
+            if not choice.finish_reason:
+                # Text that a stop string may still cut is held back.
+                visible -= holdback
+                if choice.call_spans is not None:
+                    visible = min(visible, choice.call_spans.cut_floor(holdback))
+                visible = max(choice.num_sent_chars, visible)
             token_ids = seq.output_token_ids
             outputs.append(
                 CompletionOutput(

@@ -20,6 +20,8 @@ from yaie.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from yaie.structured.tools import CallSpans
+
 
 @dataclass
 class Choice:
@@ -30,6 +32,9 @@ class Choice:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asked
     finish_reason: str | None = None  # set once, when the sequence finishes
+    # Where the text's tool calls are, which stop strings and stop tokens do not cut: for a
+    # request with stop rules whose free text may hold calls (SamplingParams.tool_call_spans).
+    call_spans: CallSpans | None = None
     # How much of `text` and of the output tokens earlier outputs already handed out as deltas.
     num_sent_chars: int = 0
     num_sent_tokens: int = 0

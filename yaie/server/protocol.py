@@ -26,7 +26,7 @@ from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
 from yaie.sampling_params import SamplingParams
 from yaie.structured.spec import PARAM as STRUCTURED_OUTPUTS
-from yaie.structured.spec import StructuredOutputs
+from yaie.structured.spec import StructuredOutputs, ToolCallSpans
 from yaie.structured.tool_formats import HERMES, ToolFormat
 
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -260,6 +260,7 @@ class SamplingRequest(OpenAIModel):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         structured_outputs: StructuredOutputs | None = None,
+        tool_call_spans: ToolCallSpans | None = None,
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
@@ -280,6 +281,7 @@ class SamplingRequest(OpenAIModel):
         try:
             return SamplingParams(
                 structured_outputs=structured_outputs or self._structured_outputs(),
+                tool_call_spans=tool_call_spans,
                 n=self.n,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -328,16 +330,27 @@ class ChatCompletionRequest(SamplingRequest):
         self, tool_format: ToolFormat = HERMES, defaults: Mapping[str, float | int] = NO_DEFAULTS
     ) -> SamplingParams:
         """`tool_format` is the model's (yaie/structured/tool_formats.py): the format a required
-        call is constrained to. `defaults`: the model's, for sampling fields the request leaves out."""
+        call is constrained to, and that of the calls the stop rules leave whole in free text.
+        `defaults`: the model's, for sampling fields the request leaves out."""
         for index, message in enumerate(self.messages):
             message.check(index)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+        try:
+            structured_outputs = self._tool_call_grammar(tool_format) or self._structured_outputs()
+        except InvalidRequestError as exc:
+            raise self.translate_error(exc) from exc
         return self._sampling_params(
             defaults,
             max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            structured_outputs=self._tool_call_grammar(tool_format),
+            structured_outputs=structured_outputs,
+            # Calls the model may write in its free text: the stop rules leave them whole.
+            tool_call_spans=(
+                tool_format.call_spans(self.tool_names)
+                if self.calls_tools and structured_outputs is None
+                else None
+            ),
         )
 
     @property

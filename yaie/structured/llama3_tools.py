@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from yaie.structured.spec import StructuredOutputs
-from yaie.structured.tools import Event, ToolCall, call_schema, new_call_id
+from yaie.structured.tools import CallSpans, Event, FreeText, ToolCall, call_schema, new_call_id
 
 PYTHON_TAG = "<|python_tag|>"
 HEADER = "<|start_header_id|>"  # Llama-3's turn header: how a template shows it is Llama-3's
@@ -116,6 +116,53 @@ class Llama3ToolCallParser:
     def _give_out(self) -> list[Event]:
         rest, self._pending = self._pending, ""
         return [("content", rest)] if rest else []
+
+
+class Llama3CallSpans(CallSpans):
+    """The calls of a Llama-3 turn, as Llama3ToolCallParser decides: in a turn of calls, the
+    <|python_tag|> and each object that is a call of one of `names`; the blanks and separators
+    around them, and everything from the first object that is not a call on, are free. An
+    object is decided when it closes."""
+
+    def __init__(self, names: Collection[str]) -> None:
+        super().__init__()
+        self._names = frozenset(names)
+        self._mode = "start"  # "start" (undecided), "calls" or "content"
+        self._in_object = False
+
+    @property
+    def in_call(self) -> bool:
+        return self._in_object
+
+    def advance(self, text: str) -> list[FreeText]:
+        free: list[FreeText] = []
+        while True:
+            if self._mode == "content":
+                return free + self._free_to(len(text))
+            # The blanks (and, between calls, the separators) ahead are free whatever follows.
+            rest = text[self.decided :]
+            head = rest.lstrip() if self._mode == "start" else rest.lstrip(SEPARATORS)
+            free += self._free_to(len(text) - len(head))
+            if self._mode == "start":
+                if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+                    return free  # perhaps the tag: not decided yet
+                if head.startswith(PYTHON_TAG):
+                    self._call_to(self.decided + len(PYTHON_TAG))
+                self._mode = "calls" if head.startswith((PYTHON_TAG, "{")) else "content"
+                continue
+            if not head:
+                return free
+            if head[0] != "{":
+                self._mode = "content"
+                continue
+            end = _object_end(head)
+            self._in_object = end is None
+            if end is None:
+                return free  # the object goes on in the text still to come
+            if parse_call(head[:end], self._names, 0) is None:
+                self._mode = "content"
+                continue
+            self._call_to(self.decided + end)
 
 
 def _object_end(text: str) -> int | None:

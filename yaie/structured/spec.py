@@ -1,7 +1,7 @@
 """What a request asks its output to match: `StructuredOutputs`, named as in vLLM's
-`structured_outputs` (json, regex, choice, grammar, json_object). Plain data, checked for shape
-here; whether a schema, regex or grammar is valid only the grammar library can tell
-(backend.py), off the engine thread."""
+`structured_outputs` (json, regex, choice, grammar, json_object), and `ToolCallSpans`, where
+free text may hold tool calls. Plain data, checked for shape here; whether a schema, regex or
+grammar is valid only the grammar library can tell (backend.py), off the engine thread."""
 
 from __future__ import annotations
 
@@ -61,3 +61,14 @@ class StructuredOutputs:
         if self.grammar is not None:
             return "grammar", self.grammar
         return "json_object", ""
+
+
+@dataclass(frozen=True)
+class ToolCallSpans:
+    """Free text that may hold tool calls (tool_choice "auto"): written in `format`'s syntax
+    (a `ToolFormat`'s name, yaie/structured/tool_formats.py), calling the tools named `names`.
+    Stop strings and stop tokens apply to the text around the calls, never inside one, so that
+    a call the server parses out of the text afterwards is never cut short."""
+
+    format: str
+    names: tuple[str, ...]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from yaie.structured import llama3_tools, tools
-from yaie.structured.spec import StructuredOutputs
-from yaie.structured.tools import Event
+from yaie.structured.spec import StructuredOutputs, ToolCallSpans
+from yaie.structured.tools import CallSpans, Event
 
 
 class ToolCallSplitter(Protocol):
@@ -37,10 +37,26 @@ class ToolFormat:
     call_grammar: Callable[[Sequence[dict[str, Any]], str | None], StructuredOutputs]
     # the names of the request's tools -> a parser for one choice
     parser: Callable[[Collection[str]], ToolCallSplitter]
+    # the names of the request's tools -> where one choice's calls are, for the engine's stop rules
+    spans: Callable[[Collection[str]], CallSpans]
+
+    def call_spans(self, names: Collection[str]) -> ToolCallSpans:
+        """What a request whose free text may hold calls of `names` tells the engine."""
+        return ToolCallSpans(self.name, tuple(names))
 
 
-HERMES = ToolFormat("hermes", tools.call_grammar, lambda names: tools.ToolCallParser())
-LLAMA3 = ToolFormat("llama3", llama3_tools.call_grammar, llama3_tools.Llama3ToolCallParser)
+HERMES = ToolFormat(
+    "hermes", tools.call_grammar, lambda names: tools.ToolCallParser(), lambda names: tools.HermesCallSpans()
+)
+LLAMA3 = ToolFormat(
+    "llama3", llama3_tools.call_grammar, llama3_tools.Llama3ToolCallParser, llama3_tools.Llama3CallSpans
+)
+FORMATS = {tool_format.name: tool_format for tool_format in (HERMES, LLAMA3)}
+
+
+def call_spans(spec: ToolCallSpans) -> CallSpans:
+    """A tracker of one choice's calls, for a request that says where they may be."""
+    return FORMATS[spec.format].spans(spec.names)
 
 
 def for_template(chat_template: str | None) -> ToolFormat:

@@ -208,6 +208,92 @@ class ToolCallParser:
         return ("call", call)
 
 
+# Free text newly decided in a choice's text: (where its run of free text starts, start, end).
+FreeText = tuple[int, int, int]
+
+
+class CallSpans:
+    """Which parts of one choice's text are tool calls, decided as the text grows: stop strings
+    and stop tokens apply to the rest, the free text, and never inside a call (the server parses
+    calls out of the text afterwards, and a cut one would be lost). Each format's subclass decides
+    what a call is exactly as its parser does.
+
+    `decided`: how much of the text is decided, call or free; `free_run`: where the free text
+    that reaches `decided` starts (None when the decided text ends in a call)."""
+
+    def __init__(self) -> None:
+        self.decided = 0
+        self.free_run: int | None = 0
+
+    @property
+    def in_call(self) -> bool:
+        """Whether the text now goes on inside what may be a call."""
+        raise NotImplementedError
+
+    def advance(self, text: str) -> list[FreeText]:
+        """Read `text` (the choice's whole text: what the last call saw, and more); the free
+        text it newly decides, in order."""
+        raise NotImplementedError
+
+    def cut_floor(self, holdback: int) -> int:
+        """The earliest place where a stop string found later may start (a stream shows no text
+        from there on): in the free text that reaches `decided`, or after it. `holdback`: the
+        longest stop string's length less one."""
+        return self.decided if self.free_run is None else max(self.free_run, self.decided - holdback)
+
+    def _free_to(self, end: int) -> list[FreeText]:
+        """The text from `decided` to `end` is free."""
+        if end <= self.decided:
+            return []
+        start, self.decided = self.decided, end
+        if self.free_run is None:
+            self.free_run = start
+        return [(self.free_run, start, end)]
+
+    def _call_to(self, end: int) -> None:
+        """The text from `decided` to `end` is a call."""
+        self.decided, self.free_run = end, None
+
+
+class HermesCallSpans(CallSpans):
+    """The calls of Hermes-style text: the `<tool_call>` blocks whose body is a call (as
+    ToolCallParser decides, which gives any other block out as content, tags and all). A block
+    is decided when it closes; until then it is undecided, as is a tail that may begin a tag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._call_start: int | None = None  # where the open block's tag starts
+        self._scan = 0  # where the next tag may start
+
+    @property
+    def in_call(self) -> bool:
+        return self._call_start is not None
+
+    def advance(self, text: str) -> list[FreeText]:
+        free: list[FreeText] = []
+        while True:
+            if self._call_start is not None:
+                close = text.find(CLOSE, self._scan)
+                if close < 0:
+                    self._scan = max(self._scan, len(text) - len(CLOSE) + 1)
+                    return free
+                end = close + len(CLOSE)
+                if parse_call(text[self._call_start + len(OPEN) : close]) is None:
+                    free += self._free_to(end)
+                else:
+                    self._call_to(end)
+                self._call_start = None
+                self._scan = end
+                continue
+            start = text.find(OPEN, self._scan)
+            if start >= 0:
+                free += self._free_to(start)
+                self._call_start, self._scan = start, start + len(OPEN)
+                continue
+            self._scan = len(text) - _partial_tag(text[self._scan :])
+            return free + self._free_to(self._scan)
+
+
 def _content(text: str) -> list[Event]:
     return [("content", text)] if text else []
 
