@@ -39,7 +39,7 @@ def test_chat_response_shape(server: Server) -> None:
     assert body["object"] == "chat.completion"
     assert isinstance(body["created"], int) and body["model"] == MODEL
     [choice] = body["choices"]
-    assert choice.keys() == {"index", "message", "logprobs", "finish_reason"}
+    assert choice.keys() == {"index", "message", "logprobs", "finish_reason", "stop_reason"}
     assert choice["index"] == 0 and choice["logprobs"] is None
     assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
     assert choice["finish_reason"] in ("stop", "length")

@@ -3,7 +3,8 @@
 Both say the same: the choice's content (with tool calls, when the request has tools, split out
 of the text by the model's tool format), its reasoning (`reasoning_content`, split off the text
 before that when the server has a reasoning parser: reasoning.py), its logprobs, its finish
-reason ("tool_calls" when a choice that stopped made calls) and the usage.
+reason ("tool_calls" when a choice that stopped made calls) and vLLM's stop_reason (the stop
+string or token that ended it), and the usage.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class ChatCompletion:
 
     async def chunks(self, generation: Generation) -> AsyncGenerator[p.ChatCompletionChunk, None]:
         """The stream: a role delta for each choice, then reasoning, content or tool call deltas
-        as tokens come, a finish delta per choice, and the usage last when the request asks for it."""
+        as tokens come, a finish delta per choice (with its stop_reason), and the usage last when
+        the request asks for it."""
         body, n = self.body, generation.n
         yield self._chunk(
             [p.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)]
@@ -85,7 +87,10 @@ class ChatCompletion:
                         )
                 if update.finish_reason is not None:
                     reason = _finish_reason(update.finish_reason, parser)
-                    yield self._chunk([p.ChatChunkChoice(index=index, delta={}, finish_reason=reason)])
+                    last = p.ChatChunkChoice(
+                        index=index, delta={}, finish_reason=reason, stop_reason=choice.stop_reason
+                    )
+                    yield self._chunk([last])
         if body.include_usage:
             yield self._chunk([], usage=generation.usage())
 
@@ -119,6 +124,7 @@ class ChatCompletion:
             message=_message(content, calls, split.reasoning or None),
             logprobs=logprobs,
             finish_reason=_finish_reason(choice.finish_reason, parser),
+            stop_reason=choice.stop_reason,
         )
 
 

@@ -43,7 +43,7 @@ class Completion:
 
     async def chunks(self, generation: Generation) -> AsyncGenerator[p.CompletionResponse, None]:
         """The stream: each choice's new text (and logprobs) as tokens come, a finish chunk per
-        choice, and the usage last when the request asks for it."""
+        choice (with its stop_reason), and the usage last when the request asks for it."""
         body = self.body
         text_offsets: dict[int, int] = {}  # per choice: where its next chunk's text starts
         async with contextlib.aclosing(generation.updates()) as updates:
@@ -63,7 +63,10 @@ class Completion:
                         text_offsets[update.index] = offset + sum(len(token) for token in logprobs.tokens)
                     yield self._chunk([p.CompletionChoice(index=update.index, text=text, logprobs=logprobs)])
                 if (reason := update.finish_reason) is not None:
-                    yield self._chunk([p.CompletionChoice(index=update.index, text="", finish_reason=reason)])
+                    last = p.CompletionChoice(
+                        index=update.index, text="", finish_reason=reason, stop_reason=choice.stop_reason
+                    )
+                    yield self._chunk([last])
         if body.include_usage:
             yield self._chunk([], usage=generation.usage())
 
@@ -94,7 +97,11 @@ class Completion:
             if text or tokens:
                 logprobs = p.completion_logprobs(tokens, self.decode, 0)
         return p.CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
         )
 
 

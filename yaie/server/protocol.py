@@ -550,11 +550,17 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+# vLLM's `stop_reason` on every choice: the stop string or stop token id that ended it, or null
+# (EOS, a completed grammar, max_tokens...). A stream sends it with the choice's finish_reason.
+StopReason = int | str | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -575,6 +581,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -598,6 +605,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(BaseModel):
