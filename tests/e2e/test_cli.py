@@ -17,7 +17,7 @@ from yaie.cli.engine_args import engine_config
 from yaie.cli.local_engine import stream_text
 from yaie.cli.options import parse_bytes
 from yaie.config import EngineConfig
-from yaie.errors import YaieError
+from yaie.errors import RequestFailedError, YaieError
 from yaie.outputs import CompletionOutput, RequestOutput
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -121,7 +121,7 @@ class ScriptedEngine:
         return False
 
 
-def _output(text: str, finished: bool = False, error: str | None = None) -> RequestOutput:
+def _output(text: str, finished: bool = False, error: YaieError | None = None) -> RequestOutput:
     outputs = [] if error else [CompletionOutput(0, text, [], "stop" if finished else None, delta_text=text)]
     return RequestOutput("r0", "hi", [1], outputs, finished, error=error)
 
@@ -133,7 +133,8 @@ def test_the_engine_loop_streams_one_request_to_its_end() -> None:
 
 
 def test_a_request_the_engine_fails_ends_in_its_error() -> None:
-    engine = ScriptedEngine([[_output("Par")], [_output("", finished=True, error="the engine failed")]])
+    failed = _output("", finished=True, error=RequestFailedError("the engine failed"))
+    engine = ScriptedEngine([[_output("Par")], [failed]])
     stream = stream_text(engine, "hi", SamplingParams())  # type: ignore[arg-type]
     assert next(stream) == "Par"
     with pytest.raises(YaieError, match="the engine failed"):
