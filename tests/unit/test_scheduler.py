@@ -23,11 +23,13 @@ def make_seq(name: str, prompt_len: int, first_token: int = 0) -> Sequence:
 
 
 def make_scheduler(
-    num_blocks: int = 64, max_seqs: int = 8, budget: int = 64, cache: bool = False
+    num_blocks: int = 64, max_seqs: int = 8, budget: int = 64, cache: bool = False, threshold: int = 0
 ) -> Scheduler:
     pool = BlockPool(num_blocks)
     prefix_cache = RadixCache(pool, BLOCK) if cache else None
-    return Scheduler(pool, BLOCK, max_seqs, budget, prefix_cache=prefix_cache)
+    return Scheduler(
+        pool, BLOCK, max_seqs, budget, prefix_cache=prefix_cache, long_prefill_token_threshold=threshold
+    )
 
 
 def run_step(scheduler: Scheduler, new_token: int = 7) -> dict[str, int]:
@@ -69,6 +71,49 @@ def test_decodes_are_scheduled_before_new_prefills_share_the_budget():
     run_step(s)
     s.add(make_seq("b", 30))
     assert run_step(s) == {"a": 1, "b": 9}
+
+
+def test_decodes_are_planned_before_the_prompt_chunks_of_sequences_admitted_earlier():
+    s = make_scheduler(budget=16, threshold=8)
+    s.add(make_seq("long", 40, first_token=100))
+    s.add(make_seq("short", 3))
+    assert list(run_step(s).items()) == [("long", 8), ("short", 3)]
+    # "long" was admitted first, but "short" decodes: its token is planned first, and the
+    # prompt's chunk gets what is left.
+    assert list(run_step(s).items()) == [("short", 1), ("long", 8)]
+
+
+def test_a_long_prompt_beside_a_decode_the_decode_gets_a_token_every_step():
+    # Issue #38: a 7,000-token prompt took the whole token budget of every step until it was
+    # computed. Now each step plans the decode's token first and at most 512 of the prompt's.
+    s = make_scheduler(num_blocks=2048, budget=2048, threshold=512)
+    stream = make_seq("stream", 8)
+    s.add(stream)
+    run_step(s)
+    s.add(make_seq("long", 7000, first_token=1000))
+    steps = 0
+    while s.running[-1].num_computed_tokens < 7000:
+        plan = run_step(s)
+        assert plan["stream"] == 1 and plan["long"] <= 512
+        steps += 1
+    assert steps == -(-7000 // 512) and stream.num_output_tokens == steps + 1
+
+
+def test_a_request_arriving_while_a_long_prompt_is_computed_is_admitted_beside_it():
+    s = make_scheduler(num_blocks=2048, budget=2048, threshold=512)
+    s.add(make_seq("long", 7000, first_token=1000))
+    assert run_step(s) == {"long": 512}
+    s.add(make_seq("late", 20))
+    assert run_step(s) == {"long": 512, "late": 20}  # admitted at once, not after 6,488 tokens
+    assert run_step(s) == {"late": 1, "long": 512}  # and decoding, first, from then on
+
+
+def test_without_a_threshold_a_prompt_takes_what_the_budget_leaves():
+    s = make_scheduler(num_blocks=2048, budget=2048)
+    s.add(make_seq("long", 7000, first_token=1000))
+    assert run_step(s) == {"long": 2048}
+    s.add(make_seq("late", 20))
+    assert run_step(s) == {"long": 2048}
 
 
 def test_max_num_seqs_limits_running_requests():

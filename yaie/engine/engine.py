@@ -155,6 +155,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             prefix_cache=prefix_cache, drafter=self.speculator, policy=config.scheduling_policy,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )  # fmt: skip
         logger.info("scheduling policy: %s", config.scheduling_policy)
         self.input_processor = InputProcessor(

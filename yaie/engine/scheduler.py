@@ -1,9 +1,13 @@
 """Continuous batching: decide, every step, which sequences compute how many tokens.
 
-Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, in
-admission order: a decoding sequence needs one token, a sequence still in its prompt takes as
-many tokens as the budget leaves (chunked prefill). Waiting sequences are then admitted from the
-head of the waiting queue while the budget, `max_num_seqs` and free KV blocks allow. When a
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, and of
+them the decoding ones first, one token each, in admission order; then the running sequences
+still in their prompt (or recomputing after a preemption) take chunks of what the budget leaves
+(chunked prefill), each at most `long_prefill_token_threshold` tokens. That is Sarathi-Serve's
+stall-free batching: a decode never waits for a prompt, and a long prompt never takes a whole
+step, so a request that arrives while it is computed is admitted beside it instead of waiting
+for its end. Waiting sequences are then admitted from the head of the waiting queue while the
+budget, `max_num_seqs` and free KV blocks allow, their prompts chunked the same way. When a
 running sequence needs a block and none is free, the prefix cache gives back unused blocks
 first; after that a running sequence is preempted: its blocks are freed and it waits to be
 recomputed from its prompt plus what it has generated so far. The running sequence the policy
@@ -149,9 +153,12 @@ class Scheduler:
         prefix_cache: RadixCache | None = None,
         drafter: Drafter | None = None,
         policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """`drafter`: with speculative decoding, what drafts the tokens each plan verifies.
-        `policy`: one of SCHEDULING_POLICIES (see the module docstring)."""
+        `policy`: one of SCHEDULING_POLICIES (see the module docstring).
+        `long_prefill_token_threshold`: the most prompt tokens one sequence computes in a step
+        (0: as many as the budget leaves)."""
         if policy not in SCHEDULING_POLICIES:
             choices = ", ".join(SCHEDULING_POLICIES)
             raise ValueError(f"scheduling policy must be one of {choices}; got {policy!r}")
@@ -160,6 +167,7 @@ class Scheduler:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefix_cache = prefix_cache
         self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
@@ -211,36 +219,37 @@ class Scheduler:
         """Plan the next step: who computes how many tokens (and, when speculating, which
         drafts follow each decoding sequence's last token)."""
         budget = self.max_num_batched_tokens
-        planned: list[tuple[Sequence, int]] = []
+        planned: dict[Sequence, int] = {}  # in batch order
         preempted: list[Sequence] = []
 
-        # planned[i] is running[i]'s part for every i < index.
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        # Stall-free batching (Sarathi-Serve): every decode first, one token each, then prompt
+        # chunks from what is left, so that no prompt, however long or old, holds up a decode.
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(seq, budget)
             while not self._grow(seq, num_new):
                 victim = self._victim()
-                position = self.running.index(victim)
-                del self.running[position]
-                if position < index:  # planned earlier in this step: take its part back
-                    budget += planned.pop(position)[1]
-                    index -= 1
+                self.running.remove(victim)
+                budget += planned.pop(victim, 0)  # planned earlier in this step: take its part back
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
-                    break  # the next sequence now stands at `index`
+                    break
             else:
-                planned.append((seq, num_new))
+                planned[seq] = num_new
                 budget -= num_new
-                index += 1
 
         # Admitting new work while evicting old work would only thrash: wait for a calmer step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 self._match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             reserve = self.watermark_blocks if self.running else 0
             if not self._grow(seq, num_new, reserve=reserve):
                 self._release_blocks(seq)  # give back prefix-cache references until next time
@@ -248,17 +257,26 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            planned.append((seq, num_new))
+            planned[seq] = num_new
             budget -= num_new
 
         drafts = self._lookahead(planned, budget) if self.drafter is not None else {}
         scheduled = []
-        for seq, num_new in planned:
+        for seq, num_new in planned.items():
             draft = drafts.get(seq, ())
             scheduled.append(ScheduledSequence(seq, num_new + len(draft), draft))
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _lookahead(self, planned: list[tuple[Sequence, int]], room: int) -> dict[Sequence, tuple[int, ...]]:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens `seq` computes this step, out of the `budget` left: all it lacks, but at
+        most `long_prefill_token_threshold` of a prompt, so that a long prompt leaves room in
+        every step for other prompts beside it (vLLM's option)."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if 0 < self.long_prefill_token_threshold < num_new:
+            return self.long_prefill_token_threshold
+        return num_new
+
+    def _lookahead(self, planned: dict[Sequence, int], room: int) -> dict[Sequence, tuple[int, ...]]:
         """Draft tokens after the decoding sequences' last tokens, for the target to verify in
         this step: they count against the step's token budget (`room` is what it has left),
         and their slots need blocks, taken only where free (speculation never preempts or
@@ -266,7 +284,7 @@ class Scheduler:
         assert self.drafter is not None
         decoding = [
             seq
-            for seq, num_new in planned
+            for seq, num_new in planned.items()
             if num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.pooling_params is None
         ]
         if not decoding or room <= 0:
