@@ -23,6 +23,17 @@ The scheduling policy (vLLM's `scheduling_policy`) decides the two orders:
   out of the plan). A waiting sequence of higher priority does not preempt running ones to get
   in (as vLLM): it is admitted first when room frees up.
 
+Fair share between tenants, under either policy: each sequence carries its request's `tenant`
+(who sent it: the server's API key). The scheduler counts each active tenant's service, the
+tokens its sequences computed weighted PREFILL_WEIGHT a prompt token and DECODE_WEIGHT a decode
+token (the Virtual Token Counter of Sheng et al., OSDI 2024), and a tenant that becomes active
+starts level with the least served active one. Of the waiting sequences the policy ranks first
+(all under fcfs; those of the most urgent priority under priority: priority wins), the one
+admitted is the first of the tenant with the least service; so a tenant that floods the queue
+is admitted in turn with the others, not ahead of them. The victim of a preemption is taken,
+among the least urgent, from the tenant with the most service. With one tenant, all of this is
+the policy's order above.
+
 A request with n > 1 choices arrives as n sequences with the same prompt. Only the first is
 queued; its siblings wait until it has computed the prompt and then share its KV blocks, so the
 prompt is computed once, not n times.
@@ -57,6 +68,13 @@ from yaie.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from yaie.cache.radix_cache import RadixCache
+
+# The Virtual Token Counter's weights (Sheng et al., "Fairness in Serving Large Language Models",
+# OSDI 2024): the service a tenant is counted for each token a step computes for it. The paper's
+# 1 and 2, as providers' prices weigh input and output tokens: a decode token is computed alone,
+# a prompt token in a chunk that shares one pass over the weights.
+PREFILL_WEIGHT = 1
+DECODE_WEIGHT = 2
 
 
 class Drafter(Protocol):
@@ -177,6 +195,10 @@ class Scheduler:
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (not cache hits)
         # n > 1: siblings waiting for the first choice's prompt (see `add`), by that choice.
         self._siblings: dict[Sequence, list[Sequence]] = {}
+        # Fair share: the service (weighted tokens computed) counted to each active tenant, one
+        # with a sequence here (waiting, running or a waiting sibling), and how many it has.
+        self._service: dict[str, int] = {}
+        self._num_seqs: dict[str, int] = {}
         # Keep a few blocks free when admitting, so that admitting a sequence does not force a
         # preemption on the very next decode step.
         self.watermark_blocks = max(1, block_pool.num_blocks // 100)
@@ -187,20 +209,42 @@ class Scheduler:
         """Queue a sequence. `siblings`, the other choices of the same request (same prompt),
         wait until `seq` has computed the prompt, then take references on its prompt blocks
         instead of computing them again."""
+        siblings = list(siblings)
         seq.status = SequenceStatus.WAITING
         seq.arrival = next(self._arrivals)
+        tenant = seq.tenant
+        if tenant not in self._num_seqs:
+            # A tenant that becomes active starts level with the least served of the others
+            # (VTC's lift): counting from where it stopped would let an idle tenant bank credit,
+            # and from zero would let it take the engine until it caught up.
+            self._service[tenant] = min(self._service.values(), default=0)
+            self._num_seqs[tenant] = 0
+        self._num_seqs[tenant] += 1 + len(siblings)
         self._enqueue(seq, len(self.waiting))
         if siblings:
             for sibling in siblings:
                 sibling.arrival = seq.arrival  # one request: one place in the order
-            self._siblings[seq] = list(siblings)
+            self._siblings[seq] = siblings
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_waiting(self, tenant: str | None = None) -> int:
+        """Sequences waiting for admission (siblings waiting for their first choice's prompt
+        included): all of them, or `tenant`'s."""
+        waiting = itertools.chain(self.waiting, *self._siblings.values())
+        if tenant is None:
+            return sum(1 for _ in waiting)
+        return sum(1 for seq in waiting if seq.tenant == tenant)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of the queues for good and release its blocks: one the step
         finished (through `update`), or one of a request the engine aborts or fails."""
+        if seq.status.finished:
+            return  # released already
+        self._num_seqs[seq.tenant] -= 1
+        if not self._num_seqs[seq.tenant]:  # no longer active: it starts level when it comes back
+            del self._num_seqs[seq.tenant], self._service[seq.tenant]
         self._release_siblings(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -235,7 +279,9 @@ class Scheduler:
             while not self._grow(seq, num_new):
                 victim = self._victim()
                 self.running.remove(victim)
-                budget += planned.pop(victim, 0)  # planned earlier in this step: take its part back
+                if victim in planned:  # planned earlier in this step: take its part back
+                    budget += planned[victim]
+                    self._charge(victim, -planned.pop(victim))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -243,22 +289,25 @@ class Scheduler:
             else:
                 planned[seq] = num_new
                 budget -= num_new
+                self._charge(seq, num_new)
 
         # Admitting new work while evicting old work would only thrash: wait for a calmer step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_admission()
             if not seq.block_table:
                 self._match_prefix(seq)
             num_new = self._chunk(seq, budget)
             reserve = self.watermark_blocks if self.running else 0
             if not self._grow(seq, num_new, reserve=reserve):
+                # Nobody else goes first: the one the policy chose gets in when room frees up.
                 self._release_blocks(seq)  # give back prefix-cache references until next time
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             planned[seq] = num_new
             budget -= num_new
+            self._charge(seq, num_new)
 
         drafts = self._lookahead(planned, budget) if self.drafter is not None else {}
         scheduled = []
@@ -297,6 +346,7 @@ class Scheduler:
             if draft:
                 lookahead[seq] = tuple(draft)
                 room -= len(draft)
+                self._charge(seq, len(draft))
         return lookahead
 
     def update(
@@ -399,7 +449,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(seq, 0)
 
-    # -- the policy's two orders ----------------------------------------------------------------
+    # -- the policy's orders ----------------------------------------------------------------------
 
     def _enqueue(self, seq: Sequence, fcfs_position: int) -> None:
         """Put a sequence in the waiting queue: at `fcfs_position` under fcfs (the end for an
@@ -410,12 +460,56 @@ class Scheduler:
             position = bisect.bisect_right(self.waiting, _waiting_key(seq), key=_waiting_key)
         self.waiting.insert(position, seq)
 
+    def _charge(self, seq: Sequence, num_tokens: int) -> None:
+        """Count `num_tokens` (negative: taken back out of the plan) that the step computes for
+        `seq` to its tenant's service: prompt chunks (recomputation after a preemption too) at
+        PREFILL_WEIGHT a token, a decode's token and its drafts at DECODE_WEIGHT."""
+        done = seq.num_computed_tokens
+        decoding = done >= seq.num_prompt_tokens and done + 1 >= seq.num_tokens
+        self._service[seq.tenant] += num_tokens * (DECODE_WEIGHT if decoding else PREFILL_WEIGHT)
+
+    def _next_admission(self) -> Sequence:
+        """The waiting sequence to admit next (the queue must not be empty).
+
+        A sequence holding blocks goes first (a released sibling: see `_release_siblings`).
+        Otherwise fair share (VTC): of the sequences the policy ranks first (under priority, those
+        of the most urgent priority waiting; under fcfs, all), the first in the queue of the
+        tenant with the least service. With one tenant this is the head of the queue."""
+        head = self.waiting[0]
+        if head.block_table:
+            return head
+        chosen = head
+        seen = {head.tenant}
+        for seq in itertools.islice(self.waiting, 1, None):
+            if len(seen) == len(self._service) or (
+                self.policy == "priority" and seq.priority != head.priority
+            ):
+                break  # every active tenant's first is seen, or the most urgent priority is
+            if seq.tenant in seen:
+                continue
+            seen.add(seq.tenant)
+            if self._service[seq.tenant] < self._service[chosen.tenant]:
+                chosen = seq
+        return chosen
+
     def _victim(self) -> Sequence:
-        """The running sequence to preempt when blocks run out: the newest admitted under fcfs,
-        the largest (priority, arrival) under priority (the newest admitted among equals)."""
+        """The running sequence to preempt when blocks run out: under priority, one of the
+        least urgent priority running; of those, one of the tenant with the most service
+        (fair share); of its, the newest admitted. The running sequence first in the policy's
+        order (the oldest admitted under fcfs, the least (priority, arrival) under priority)
+        is never the victim while another runs, so it always progresses: no livelock."""
+        first = self.running[0]
         if self.policy == "priority":
-            return max(reversed(self.running), key=lambda seq: (seq.priority, seq.arrival))
-        return self.running[-1]
+            first = min(self.running, key=lambda seq: (seq.priority, seq.arrival))
+        candidates = [seq for seq in self.running if seq is not first] or [first]
+
+        def rank(position: int) -> tuple[int, ...]:
+            seq = candidates[position]
+            if self.policy == "priority":  # ties in service: the newest arrival, as vLLM
+                return (seq.priority, self._service[seq.tenant], seq.arrival, position)
+            return (self._service[seq.tenant], position)
+
+        return candidates[max(range(len(candidates)), key=rank)]
 
 
 def _waiting_key(seq: Sequence) -> tuple[bool, int, int]:
