@@ -207,6 +207,22 @@ def test_prefix_cache_hit_skips_computed_blocks_and_leaves_the_last_token():
     assert run_step(s)["c"] == 2 and longer.num_cached_tokens == 12
 
 
+def test_prefix_cache_hits_stay_within_a_tenant_and_its_cache_salt():
+    s = make_scheduler(cache=True)
+    first = tenant_seq("first", "alice", prompt_len=12)
+    s.add(first)
+    run_step(s)
+    s.finish(first, SequenceStatus.FINISHED_STOPPED)
+    same_tokens = [
+        Sequence(name, first.prompt_token_ids, SamplingParams(), tenant=tenant, cache_salt=salt)
+        for name, tenant, salt in [("bob", "bob", None), ("salted", "alice", "s"), ("alice", "alice", None)]
+    ]
+    for seq in same_tokens:
+        s.add(seq)
+    assert run_step(s) == {"bob": 12, "salted": 12, "alice": 4}
+    assert [seq.num_cached_tokens for seq in same_tokens] == [0, 0, 8]
+
+
 def test_prompt_is_shared_while_its_first_request_still_runs():
     s = make_scheduler(cache=True)
     s.add(make_seq("a", 9))

@@ -180,16 +180,19 @@ class Engine:
         priority: int = 0,
         timeout: float | None = None,
         tenant: str = ANONYMOUS_TENANT,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request, generating (SamplingParams) or pooling (PoolingParams: an embedding);
         returns its id. Raises InvalidRequestError for input we refuse. `priority`: lower runs
         first, under the priority scheduling policy (must be 0 under fcfs). `timeout`: seconds from
         now after which the request ends, finished or not, with finish_reason "timeout". `tenant`:
-        who sent it, for fair share between tenants (the scheduler's module docstring)."""
+        who sent it: the engine is shared fairly between tenants (the scheduler's module
+        docstring), and a tenant's prompts share the prefix cache only with its own, and with
+        the same `cache_salt` (vLLM's)."""
         deadline = deadline_after(timeout)
         processed = self.input_processor.process(prompt, params or SamplingParams())
         return self.add_processed_request(
-            request_id, processed, priority=priority, deadline=deadline, tenant=tenant
+            request_id, processed, priority=priority, deadline=deadline, tenant=tenant, cache_salt=cache_salt
         )
 
     def add_processed_request(
@@ -200,6 +203,7 @@ class Engine:
         priority: int = 0,
         deadline: float | None = None,
         tenant: str = ANONYMOUS_TENANT,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request the input processor made ready (perhaps on another thread); returns
         its id. `deadline`: the time.monotonic() instant by which it ends (see add_request)."""
@@ -207,7 +211,7 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        request = self._new_request(request_id, processed, priority, tenant)
+        request = self._new_request(request_id, processed, priority, tenant, cache_salt)
         request.deadline = deadline
         self.requests[request_id] = request
         seqs = [choice.seq for choice in request.choices]
@@ -216,7 +220,7 @@ class Engine:
         return request_id
 
     def _new_request(
-        self, request_id: str, processed: ProcessedRequest, priority: int, tenant: str
+        self, request_id: str, processed: ProcessedRequest, priority: int, tenant: str, cache_salt: str | None
     ) -> Request:
         """The request with its n choices: a sequence for the scheduler each, with its own
         grammar matcher and seeded generator where the request has them."""
@@ -227,7 +231,9 @@ class Engine:
             request = Request(
                 request_id, processed.prompt, prompt_token_ids, params, priority=priority, tenant=tenant
             )
-            seq = Sequence(f"{request_id}-0", prompt_token_ids, params, request_id, 0, priority, tenant)
+            seq = Sequence(
+                f"{request_id}-0", prompt_token_ids, params, request_id, 0, priority, tenant, cache_salt
+            )
             request.choices.append(Choice(seq, detokenizer=None))
             return request
         request = Request(
@@ -237,8 +243,9 @@ class Engine:
             request.prompt_logprobs = [None]
         for index in range(params.n):
             seq = Sequence(
-                f"{request_id}-{index}", prompt_token_ids, params, request_id, index, priority, tenant
-            )
+                f"{request_id}-{index}", prompt_token_ids, params, request_id, index, priority, tenant,
+                cache_salt,
+            )  # fmt: skip
             if processed.grammar is not None:
                 seq.grammar = processed.grammar.matcher()
             if params.seed is not None:

@@ -422,7 +422,7 @@ class Scheduler:
             return
         # Leave at least the last token to compute: its logits (or a pooling sequence's last
         # hidden state) are what the step is for.
-        blocks = self.prefix_cache.match_prefix(seq.all_token_ids[:-1])
+        blocks = self.prefix_cache.match_prefix(seq.all_token_ids[:-1], seq.cache_namespace)
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         if seq.num_preemptions == 0:
@@ -433,7 +433,7 @@ class Scheduler:
             return
         full_blocks = seq.num_computed_tokens // self.block_size
         if full_blocks:
-            self.prefix_cache.insert(seq.all_token_ids, seq.block_table[:full_blocks])
+            self.prefix_cache.insert(seq.all_token_ids, seq.block_table[:full_blocks], seq.cache_namespace)
 
     def _release_blocks(self, seq: Sequence) -> None:
         self._cache_computed_blocks(seq)

@@ -24,8 +24,9 @@ engine (`AsyncEngine.snapshot` does). The schema (version 2):
                  states: one character per block id: "f" free, "u" held by sequences, "s" held
                  by sequences and by the prefix cache, "c" held only by the prefix cache. Which
                  sequences hold a block: those whose `blocks` list it.
-    tree         the prefix cache's first TREE_DEPTH levels, breadth first, at most TREE_NODES
-                 nodes, or null without prefix caching:
+    tree         the prefix cache's first TREE_DEPTH levels (the anonymous tenant's, without a
+                 cache_salt), breadth first, at most TREE_NODES nodes, or null without prefix
+                 caching:
                  {parent (index in this list, -1 under the root), depth, start (tokens before
                   the edge), num_tokens, blocks, hits (prefix matches that reused it),
                   num_children, text (the edge's first LABEL_TOKENS tokens, decoded)}
@@ -49,7 +50,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from yaie.engine.sequence import Sequence
+from yaie.engine.sequence import ANONYMOUS_TENANT, Sequence
 
 if TYPE_CHECKING:
     from yaie.engine.engine import Engine
@@ -106,7 +107,7 @@ class EngineSnapshots:
     def _tree(self) -> list[dict[str, Any]]:
         cache = self.engine.scheduler.prefix_cache
         assert cache is not None
-        nodes = cache.top_levels(TREE_DEPTH, TREE_NODES)
+        nodes = cache.top_levels(TREE_DEPTH, TREE_NODES, (ANONYMOUS_TENANT, None))
         # Only the labels of the nodes shown now are kept: TREE_NODES at most.
         labels = {node.tokens[:LABEL_TOKENS]: "" for node in nodes}
         for tokens in labels:
