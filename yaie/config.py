@@ -33,6 +33,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None = a fraction of free memory, capped
     max_num_seqs: int = 64  # most requests decoding together
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    # The most tokens one prompt computes in a step (vLLM's name; 0: as many as the budget
+    # leaves). A step beside a long prompt then takes at most this many of its tokens, which
+    # bounds the time between a decoding stream's tokens, and leaves the rest of the budget to
+    # the prompts of requests that arrive meanwhile (yaie/engine/scheduler.py).
+    long_prefill_token_threshold: int = 512
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch CPU threads; None = torch's default
@@ -56,6 +61,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            threshold = self.long_prefill_token_threshold
+            raise ValueError(f"long_prefill_token_threshold must be 0 (off) or positive, got {threshold}")
         if self.quantization not in QUANTIZATIONS:
             choices = ", ".join(QUANTIZATIONS)
             raise ValueError(f"quantization must be one of {choices}; got {self.quantization!r}")

@@ -50,6 +50,7 @@ def fit_cost_model(config: EngineConfig) -> tuple[CostModel, float]:
         "num_kv_blocks": engine.block_pool.num_blocks,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
+        "long_prefill_token_threshold": config.long_prefill_token_threshold,
         "prefix_caching": config.enable_prefix_caching,
     }
     cost = CostModel.fit(shapes, seconds, settings)

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from yaie import LLM, InvalidRequestError, SamplingParams
-from yaie.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError
+from yaie.engine.async_engine import Admission, AsyncEngine, EngineClosedError, EngineOverloadedError
 from yaie.engine.engine import Engine
+from yaie.engine.sequence import ANONYMOUS_TENANT
 from yaie.errors import RequestFailedError
 from yaie.outputs import RequestOutput
 from yaie.server.app import build_app
@@ -117,7 +118,7 @@ def test_nothing_calls_the_engine_off_its_thread(llm: LLM, monkeypatch: pytest.M
         stream = await async_engine.add_request("stopped", "Once upon a time", LONG)
         await anext(stream)
         stream.close()  # an abort
-        await async_engine.snapshot()
+        await async_engine.snapshot(ANONYMOUS_TENANT)
         await async_engine.decode(chat)
         assert await wait_idle(async_engine)
 
@@ -161,7 +162,7 @@ def test_refused_request_raises_before_streaming(llm: LLM) -> None:
         with pytest.raises(InvalidRequestError):
             await anext(async_engine.generate("long", "Hi", SamplingParams(max_tokens=10**7)))
         with pytest.raises(EngineOverloadedError):
-            await async_engine.add_request("queued", "Hi", SamplingParams(), max_waiting=0)
+            await async_engine.add_request("queued", "Hi", SamplingParams(), Admission(max_waiting=0))
 
     with running(llm) as async_engine:
         asyncio.run(main(async_engine))

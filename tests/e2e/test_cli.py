@@ -52,7 +52,7 @@ def test_serve_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("YAIE_KV_CACHE_MEMORY", "1GiB")
     monkeypatch.setenv("YAIE_MODEL", "/models/m.gguf")
     args = build_parser().parse_args(["serve", "--port", "4321"])  # the command line wins
-    assert (args.port, args.api_key, args.no_prefix_caching) == (4321, "from-env", True)
+    assert (args.port, args.api_key, args.no_prefix_caching) == (4321, ["from-env"], True)
     assert (args.kv_cache_memory, args.model, args.host) == (1 << 30, "/models/m.gguf", "127.0.0.1")
 
 
@@ -90,13 +90,15 @@ def test_every_engine_option_reaches_the_engine_config() -> None:
     argv = ["serve", "m.gguf", "--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "float16",
             "--max-model-len", "512", "--num-kv-blocks", "9", "--kv-cache-memory", "1GiB", "--threads", "2",
             "--speculative-config", '{"method": "ngram"}', "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "256", "--block-size", "32", "--no-prefix-caching"]  # fmt: skip
+            "--max-num-batched-tokens", "256", "--block-size", "32", "--no-prefix-caching",
+            "--long-prefill-token-threshold", "64"]  # fmt: skip
     config = engine_config(build_parser().parse_args(argv))
     model = (config.model, config.dtype, config.quantization, config.kv_cache_dtype)
     assert model == ("m.gguf", "bfloat16", "int8", "float16")
     assert (config.max_model_len, config.num_kv_blocks, config.kv_cache_memory) == (512, 9, 1 << 30)
     assert (config.num_threads, config.speculative_config) == (2, {"method": "ngram"})
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (4, 256, 32)
+    assert config.long_prefill_token_threshold == 64
     assert config.enable_prefix_caching is False
     # The same options, the same defaults, wherever an engine runs in this process.
     for command in (["serve"], ["generate", "hi"], ["chat"]):

@@ -319,3 +319,35 @@ def test_prompt_logprobs_bypass_the_cache(llm: LLM, uncached: LLM) -> None:
         assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
         assert [lp for _, lp in mine.top] == pytest.approx([lp for _, lp in theirs.top], abs=1e-4)
     assert_no_leak(llm)
+
+
+MUSEUM = (
+    "You answer questions for the Harbour Museum of Ships. The museum is open from ten to five, "
+    "Tuesday to Sunday. Tickets cost eight euros, children under twelve go free. The steam tug Ada "
+    "can be boarded on the hour; the lighthouse lens gallery is on the top floor. Keep it short."
+)
+
+
+def test_prefix_cache_hits_do_not_cross_tenants(llm: LLM) -> None:
+    """A tenant's prompts are matched only by its own (and, with a cache_salt, by the same salt):
+    a hit would tell one client that another sent the same prompt (issue #38)."""
+    engine = llm.engine
+    prompt = chat(llm, MUSEUM, "Can I board the tug?")
+
+    def run(request_id: str, tenant: str, cache_salt: str | None = None) -> RequestOutput:
+        engine.add_request(request_id, prompt, GREEDY, tenant=tenant, cache_salt=cache_salt)
+        finished = [output for outputs in steps(llm) for output in outputs if output.finished]
+        [output] = finished
+        return output
+
+    first = run("museum-alice", "alice")
+    assert first.num_cached_tokens == 0
+    other = run("museum-bob", "bob")
+    assert other.num_cached_tokens == 0, "bob's prompt was served from alice's cache"
+    salted = run("museum-alice-salted", "alice", cache_salt="user-7")
+    assert salted.num_cached_tokens == 0, "a salted prompt was served from the unsalted cache"
+    again = run("museum-alice-again", "alice")
+    block = block_size(llm)
+    assert_valid_hit(again, block, at_least=(len(prompt) - 1) // block * block)
+    assert token_ids([first]) == token_ids([other]) == token_ids([salted]) == token_ids([again])
+    assert_no_leak(llm)

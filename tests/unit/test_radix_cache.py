@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import pytest
@@ -31,7 +32,7 @@ def cache_seq(pool: BlockPool, cache: RadixCache, tokens: list[int]) -> list[int
 def edges(cache: RadixCache) -> dict[tuple[int, ...], list[int]]:
     """Full root-to-node token path → that node's edge blocks, for every node."""
     out: dict[tuple[int, ...], list[int]] = {}
-    stack: list[tuple[_Node, tuple[int, ...]]] = [(cache._root, ())]
+    stack: list[tuple[_Node, tuple[int, ...]]] = [(root, ()) for root in cache._roots.values()]
     while stack:
         node, prefix = stack.pop()
         for child in node.children.values():
@@ -357,11 +358,13 @@ def test_block_size_must_be_positive() -> None:
 class _Request:
     tokens: tuple[int, ...]
     blocks: list[int]
+    namespace: str | None
 
 
 SM_BLOCK_SIZE = 2
 SM_POOL = 12
 tokens_st = st.lists(st.integers(0, 1), max_size=12).map(tuple)
+namespaces_st = st.sampled_from([None, "tenant-b"])  # the same tokens in two namespaces never match
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -373,37 +376,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.cache = RadixCache(self.pool, SM_BLOCK_SIZE)
         self.requests: dict[int, _Request] = {}
         self.next_id = 0
-        # content[b]: the full token prefix whose last block block b holds, for full blocks that
-        # were allocated and computed; the ground truth that every match is checked against.
-        self.content: dict[int, tuple[int, ...]] = {}
+        # content[b]: the namespace and the full token prefix whose last block block b holds, for
+        # full blocks that were allocated and computed; the ground truth every match is checked
+        # against.
+        self.content: dict[int, tuple[str | None, tuple[int, ...]]] = {}
         self.inserted: list[tuple[int, ...]] = []
 
     # -- helpers
 
-    def expected_match(self, tokens: tuple[int, ...]) -> list[int]:
+    def expected_match(self, tokens: tuple[int, ...], namespace: str | None) -> list[int]:
         """What match_prefix must return, computed from the model, not the tree's structure."""
         by_prefix = {self.content[b]: b for b in self.cache._cached}
         out: list[int] = []
         for i in range(len(tokens) // SM_BLOCK_SIZE):
-            b = by_prefix.get(tokens[: (i + 1) * SM_BLOCK_SIZE])
+            b = by_prefix.get((namespace, tokens[: (i + 1) * SM_BLOCK_SIZE]))
             if b is None:
                 break
             out.append(b)
         return out
 
-    def check_match(self, tokens: tuple[int, ...]) -> list[int]:
+    def check_match(self, tokens: tuple[int, ...], namespace: str | None) -> list[int]:
         before = {b: self.pool.ref_count(b) for b in range(SM_POOL)}
-        got = self.cache.match_prefix(tokens)
-        assert got == self.expected_match(tokens)
+        got = self.cache.match_prefix(tokens, namespace)
+        assert got == self.expected_match(tokens, namespace)
         for b in got:
             assert self.pool.ref_count(b) == before[b] + 1
         return got
 
     # -- rules
 
-    @rule(tokens=tokens_st)
-    def start_request(self, tokens: tuple[int, ...]) -> None:
-        matched = self.check_match(tokens)
+    @rule(tokens=tokens_st, namespace=namespaces_st)
+    def start_request(self, tokens: tuple[int, ...], namespace: str | None) -> None:
+        matched = self.check_match(tokens, namespace)
         needed = -(-len(tokens) // SM_BLOCK_SIZE) - len(matched)
         if self.pool.num_free < needed:
             evictable = self.cache.num_evictable_blocks
@@ -417,10 +421,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         for i in range(len(matched), len(blocks)):
             end = (i + 1) * SM_BLOCK_SIZE
             if end <= len(tokens):
-                self.content[blocks[i]] = tokens[:end]
+                self.content[blocks[i]] = (namespace, tokens[:end])
             else:
                 self.content.pop(blocks[i], None)  # partial block: never cacheable
-        self.requests[self.next_id] = _Request(tokens, blocks)
+        self.requests[self.next_id] = _Request(tokens, blocks, namespace)
         self.next_id += 1
 
     @precondition(lambda self: self.requests)
@@ -428,12 +432,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def insert_request(self, data: st.DataObject) -> None:
         req = self.requests[data.draw(st.sampled_from(sorted(self.requests)))]
         full = len(req.tokens) // SM_BLOCK_SIZE
-        expected_cached = len(self.expected_match(req.tokens)) * SM_BLOCK_SIZE
-        cached = self.cache.insert(req.tokens, req.blocks)
+        expected_cached = len(self.expected_match(req.tokens, req.namespace)) * SM_BLOCK_SIZE
+        cached = self.cache.insert(req.tokens, req.blocks, req.namespace)
         assert cached == expected_cached
         self.inserted.append(req.tokens)
         # The request still holds all its blocks, so its whole full-block prefix is now cached.
-        got = self.check_match(req.tokens)
+        got = self.check_match(req.tokens, req.namespace)
         assert len(got) == full
         self.pool.free(got)
 
@@ -443,7 +447,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.requests)))
         req = self.requests.pop(rid)
         if insert_first:
-            self.cache.insert(req.tokens, req.blocks)
+            self.cache.insert(req.tokens, req.blocks, req.namespace)
             self.inserted.append(req.tokens)
         self.pool.free(req.blocks)
 
@@ -455,12 +459,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert freed == min(amount, evictable)
         assert self.pool.num_free == free_before + freed
 
-    @rule(data=st.data(), random_tokens=tokens_st)
-    def probe(self, data: st.DataObject, random_tokens: tuple[int, ...]) -> None:
+    @rule(data=st.data(), random_tokens=tokens_st, namespace=namespaces_st)
+    def probe(self, data: st.DataObject, random_tokens: tuple[int, ...], namespace: str | None) -> None:
         tokens = random_tokens
         if self.inserted and data.draw(st.booleans()):
             tokens = data.draw(st.sampled_from(self.inserted))
-        self.pool.free(self.check_match(tokens))
+        self.pool.free(self.check_match(tokens, namespace))
 
     @rule()
     def reset(self) -> None:
@@ -499,21 +503,23 @@ class SchedulerMachine(RuleBasedStateMachine):
     def tree_is_a_valid_radix_tree(self) -> None:
         bs = SM_BLOCK_SIZE
         seen: list[int] = []
-        stack: list[tuple[_Node, tuple[int, ...]]] = [(self.cache._root, ())]
+        roots = self.cache._roots.values()
+        assert all(root.children for root in roots), "a namespace left empty is dropped"
+        stack: list[tuple[_Node, tuple[int, ...], Hashable]] = [(root, (), root.namespace) for root in roots]
         while stack:
-            node, prefix = stack.pop()
+            node, prefix, namespace = stack.pop()
             for key, child in node.children.items():
                 assert child.parent is node
                 assert len(child.tokens) > 0 and len(child.tokens) % bs == 0
                 assert len(child.blocks) == len(child.tokens) // bs
                 assert key == child.tokens[:bs]  # dict keys are distinct, so first blocks are too
-                assert child.last_access <= (node.last_access if node is not self.cache._root else 10**18)
+                assert child.last_access <= (node.last_access if node.parent is not None else 10**18)
                 path = prefix + child.tokens
                 for i, b in enumerate(child.blocks):
                     # The tree's token path to this block is what the block was computed for.
-                    assert self.content[b] == path[: len(prefix) + (i + 1) * bs]
+                    assert self.content[b] == (namespace, path[: len(prefix) + (i + 1) * bs])
                 seen.extend(child.blocks)
-                stack.append((child, path))
+                stack.append((child, path, namespace))
         assert len(seen) == len(set(seen))
         assert set(seen) == self.cache._cached
 
@@ -525,3 +531,24 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestScheduler = SchedulerMachine.TestCase
+
+
+def test_namespaces_do_not_share_prefixes() -> None:
+    pool, cache = make()
+    tokens = [1, 2, 3, 4]
+    blocks = pool.allocate(2)
+    cache.insert(tokens, blocks, namespace=("alice", None))
+    pool.free(blocks)
+    assert cache.match_prefix(tokens, ("bob", None)) == []  # the same prompt, another tenant
+    assert cache.match_prefix(tokens, ("alice", "salt")) == []  # the same tenant, salted
+    assert cache.match_prefix(tokens) == []
+    assert cache.match_prefix(tokens, ("alice", None)) == blocks
+    pool.free(blocks)
+    assert cache.top_levels(4, 64, ("bob", None)) == []
+    assert [view.tokens for view in cache.top_levels(4, 64, ("alice", None))] == [(1, 2, 3, 4)]
+    # Inserted again in another namespace, the same tokens are cached twice, on their own blocks.
+    others = pool.allocate(2)
+    assert cache.insert(tokens, others, namespace=("bob", None)) == 0
+    pool.free(others)
+    assert cache.num_cached_blocks == 4
+    assert cache.evict(4) == 4 and cache._roots == {}  # emptied namespaces are forgotten

@@ -23,11 +23,13 @@ def make_seq(name: str, prompt_len: int, first_token: int = 0) -> Sequence:
 
 
 def make_scheduler(
-    num_blocks: int = 64, max_seqs: int = 8, budget: int = 64, cache: bool = False
+    num_blocks: int = 64, max_seqs: int = 8, budget: int = 64, cache: bool = False, threshold: int = 0
 ) -> Scheduler:
     pool = BlockPool(num_blocks)
     prefix_cache = RadixCache(pool, BLOCK) if cache else None
-    return Scheduler(pool, BLOCK, max_seqs, budget, prefix_cache=prefix_cache)
+    return Scheduler(
+        pool, BLOCK, max_seqs, budget, prefix_cache=prefix_cache, long_prefill_token_threshold=threshold
+    )
 
 
 def run_step(scheduler: Scheduler, new_token: int = 7) -> dict[str, int]:
@@ -69,6 +71,49 @@ def test_decodes_are_scheduled_before_new_prefills_share_the_budget():
     run_step(s)
     s.add(make_seq("b", 30))
     assert run_step(s) == {"a": 1, "b": 9}
+
+
+def test_decodes_are_planned_before_the_prompt_chunks_of_sequences_admitted_earlier():
+    s = make_scheduler(budget=16, threshold=8)
+    s.add(make_seq("long", 40, first_token=100))
+    s.add(make_seq("short", 3))
+    assert list(run_step(s).items()) == [("long", 8), ("short", 3)]
+    # "long" was admitted first, but "short" decodes: its token is planned first, and the
+    # prompt's chunk gets what is left.
+    assert list(run_step(s).items()) == [("short", 1), ("long", 8)]
+
+
+def test_a_long_prompt_beside_a_decode_the_decode_gets_a_token_every_step():
+    # Issue #38: a 7,000-token prompt took the whole token budget of every step until it was
+    # computed. Now each step plans the decode's token first and at most 512 of the prompt's.
+    s = make_scheduler(num_blocks=2048, budget=2048, threshold=512)
+    stream = make_seq("stream", 8)
+    s.add(stream)
+    run_step(s)
+    s.add(make_seq("long", 7000, first_token=1000))
+    steps = 0
+    while s.running[-1].num_computed_tokens < 7000:
+        plan = run_step(s)
+        assert plan["stream"] == 1 and plan["long"] <= 512
+        steps += 1
+    assert steps == -(-7000 // 512) and stream.num_output_tokens == steps + 1
+
+
+def test_a_request_arriving_while_a_long_prompt_is_computed_is_admitted_beside_it():
+    s = make_scheduler(num_blocks=2048, budget=2048, threshold=512)
+    s.add(make_seq("long", 7000, first_token=1000))
+    assert run_step(s) == {"long": 512}
+    s.add(make_seq("late", 20))
+    assert run_step(s) == {"long": 512, "late": 20}  # admitted at once, not after 6,488 tokens
+    assert run_step(s) == {"late": 1, "long": 512}  # and decoding, first, from then on
+
+
+def test_without_a_threshold_a_prompt_takes_what_the_budget_leaves():
+    s = make_scheduler(num_blocks=2048, budget=2048)
+    s.add(make_seq("long", 7000, first_token=1000))
+    assert run_step(s) == {"long": 2048}
+    s.add(make_seq("late", 20))
+    assert run_step(s) == {"long": 2048}
 
 
 def test_max_num_seqs_limits_running_requests():
@@ -160,6 +205,22 @@ def test_prefix_cache_hit_skips_computed_blocks_and_leaves_the_last_token():
     longer = make_seq("c", 14)
     s.add(longer)
     assert run_step(s)["c"] == 2 and longer.num_cached_tokens == 12
+
+
+def test_prefix_cache_hits_stay_within_a_tenant_and_its_cache_salt():
+    s = make_scheduler(cache=True)
+    first = tenant_seq("first", "alice", prompt_len=12)
+    s.add(first)
+    run_step(s)
+    s.finish(first, SequenceStatus.FINISHED_STOPPED)
+    same_tokens = [
+        Sequence(name, first.prompt_token_ids, SamplingParams(), tenant=tenant, cache_salt=salt)
+        for name, tenant, salt in [("bob", "bob", None), ("salted", "alice", "s"), ("alice", "alice", None)]
+    ]
+    for seq in same_tokens:
+        s.add(seq)
+    assert run_step(s) == {"bob": 12, "salted": 12, "alice": 4}
+    assert [seq.num_cached_tokens for seq in same_tokens] == [0, 0, 8]
 
 
 def test_prompt_is_shared_while_its_first_request_still_runs():
@@ -259,7 +320,7 @@ def test_a_more_urgent_arrival_is_admitted_first_but_preempts_no_one():
 
 
 def low_then_high(s: Scheduler) -> SchedulerOutput:
-    """"low" (priority 1) runs first; "high" (priority 0) arrives a step later; five blocks. The
+    """ "low" (priority 1) runs first; "high" (priority 0) arrives a step later; five blocks. The
     plan of the step where "high", behind "low" in the batch, needs a block and none is free."""
     low = Sequence("low", list(range(6)), SamplingParams(max_tokens=100), priority=1)
     s.add(low)
@@ -338,3 +399,100 @@ def test_a_deadline_is_a_positive_finite_number_of_seconds():
         with pytest.raises(InvalidRequestError, match="timeout: must be a positive number") as refused:
             deadline_after(bad)  # type: ignore[arg-type]
         assert refused.value.param == "timeout"
+
+
+# -- fair share between tenants (the Virtual Token Counter) ---------------------------------------
+
+
+def tenant_seq(
+    name: str, tenant: str, prompt_len: int = 4, max_tokens: int = 100, priority: int = 0
+) -> Sequence:
+    tokens = list(range(100 * len(name), 100 * len(name) + prompt_len))
+    return Sequence(name, tokens, SamplingParams(max_tokens=max_tokens), priority=priority, tenant=tenant)
+
+
+def admitted_in_step(s: Scheduler) -> list[str]:
+    """The sequences one step admits, in order (finishing those that sampled their last token)."""
+    before = set(s.running)
+    plan = s.schedule()
+    s.update(plan)
+    for seq in plan.sampling_seqs:
+        seq.append_token(7)
+    for seq in plan.sampling_seqs:
+        if seq.num_output_tokens >= (seq.sampling_params.max_tokens or 0):
+            s.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    return [item.seq.seq_id for item in plan.scheduled if item.seq not in before]
+
+
+def test_a_flood_from_one_tenant_does_not_delay_anothers_admission():
+    s = make_scheduler(max_seqs=2)
+    for i in range(6):
+        s.add(tenant_seq(f"flood{i}", "flood"))
+    s.add(tenant_seq("other", "other"))
+    # Level at first (ties go by arrival); then "flood" has been served and "other" has not.
+    assert admitted_in_step(s) == ["flood0", "other"]
+    assert [seq.seq_id for seq in s.waiting] == [f"flood{i}" for i in range(1, 6)]
+
+
+def test_tenants_with_equal_requests_are_admitted_in_turn():
+    s = make_scheduler(max_seqs=2, budget=64)
+    for i in range(8):
+        s.add(tenant_seq(f"a{i}", "a", max_tokens=3))
+    for i in range(4):
+        s.add(tenant_seq(f"b{i}", "b", max_tokens=3))
+    admitted: list[str] = []
+    while s.has_unfinished():
+        admitted += admitted_in_step(s)
+    # In turns while both wait, then the rest of the larger flood.
+    assert admitted == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3", "a4", "a5", "a6", "a7"]
+
+
+def test_a_tenant_that_comes_back_banks_no_credit_from_its_idle_time():
+    s = make_scheduler(budget=5)  # one decode and one 4-token prompt a step
+    s.add(tenant_seq("a-long", "a", max_tokens=30))
+    s.add(tenant_seq("b-short", "b", max_tokens=1))
+    for _ in range(20):  # "b" leaves after its one token; "a" is served alone meanwhile
+        admitted_in_step(s)
+    for i in range(3):
+        s.add(tenant_seq(f"b{i}", "b", max_tokens=1))
+    for i in range(3):
+        s.add(tenant_seq(f"a{i}", "a", max_tokens=1))
+    admitted = [name for _ in range(6) for name in admitted_in_step(s)]
+    # "b" starts level with "a" (42: a's prompt and 19 decodes), not at the 4 where it stopped, or
+    # it would take b0, b1, b2 first. Each step "a" is counted 2 for a-long's decode first: b0
+    # (42 < 44), b1 (46 = 46, the queue's first of the tied), a0 (48 < 50), b2, a1, a2.
+    assert admitted == ["b0", "b1", "a0", "b2", "a1", "a2"]
+
+
+def test_the_victim_of_a_preemption_is_the_most_served_tenants_newest():
+    s = make_scheduler(num_blocks=6, budget=64)
+    s.add(tenant_seq("a1", "a", prompt_len=6))
+    s.add(tenant_seq("a2", "a", prompt_len=6))
+    run_step(s)
+    s.add(tenant_seq("b1", "b", prompt_len=3))
+    run_step(s)  # "b" arrives level with "a" (12 prompt tokens); b1 is admitted last ("b" 15)
+    run_step(s)  # two decode tokens a step count 4 to "a" (now 20), b1's 2 to "b" (17)
+    assert [seq.seq_id for seq in s.running] == ["a1", "a2", "b1"] and s.pool.num_free == 1
+    out = s.schedule()  # a1 takes the last free block; a2 needs one too
+    # Under fcfs alone the newest admitted, b1, would go; fair share takes it from "a", and a1,
+    # the oldest admitted, is never the victim while another runs.
+    assert [seq.seq_id for seq in out.preempted] == ["a2"]
+    assert [item.seq.seq_id for item in out.scheduled] == ["a1", "b1"]
+
+
+def test_priority_wins_over_fair_share():
+    s = Scheduler(BlockPool(64), BLOCK, 1, 64, policy="priority")
+    s.add(tenant_seq("heavy-urgent", "heavy", prompt_len=12, priority=-1, max_tokens=1))
+    s.add(tenant_seq("light", "light", priority=0, max_tokens=1))
+    s.add(tenant_seq("heavy-urgent-2", "heavy", priority=-1, max_tokens=1))
+    s.add(tenant_seq("heavy", "heavy", priority=0, max_tokens=1))
+    admitted = [name for _ in range(4) for name in admitted_in_step(s)]
+    # The more urgent first, whoever has been served more; fair share among equals.
+    assert admitted == ["heavy-urgent", "heavy-urgent-2", "light", "heavy"]
+
+
+def test_waiting_sequences_are_counted_per_tenant_with_their_waiting_siblings():
+    s = make_scheduler(max_seqs=1)
+    s.add(tenant_seq("a0", "a"))
+    s.add(tenant_seq("b0", "b"), siblings=[tenant_seq(f"b0-{i}", "b") for i in range(1, 4)])
+    assert (s.num_waiting(), s.num_waiting("a"), s.num_waiting("b"), s.num_waiting("c")) == (5, 1, 4, 0)

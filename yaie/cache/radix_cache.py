@@ -21,6 +21,12 @@ caller's duplicates of 7 and 8) are not adopted, only block 5 is:
 A block's KV depends on every token before it, so a block is only meaningful at the end of the
 path from the root that leads to it; that is why eviction only ever trims the ends of leaves.
 
+Namespaces: the tree has one root per namespace (any hashable value; the scheduler's is the
+request's tenant and `cache_salt`), and a prompt is matched only against prefixes inserted in its
+own namespace. Sharing KV across namespaces would save compute, but a hit is visible (a faster
+first token, `cached_tokens`), so one client could learn whether another already sent a prompt.
+Eviction is one LRU order over every namespace; a root left without children is dropped.
+
 Ownership: `BlockPool` counts references. The tree holds exactly one on each block it caches; each
 request holds its own. A cached block whose count is 1 is held only by the tree and may be evicted.
 This module is pure Python and must never import torch.
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from yaie.cache.block_pool import BlockPool
@@ -56,6 +62,16 @@ class _Node:
         self.heap_id = -1
 
 
+class _Root(_Node):
+    """The root of one namespace's tree: no tokens, no blocks, no parent."""
+
+    __slots__ = ("namespace",)
+
+    def __init__(self, namespace: Hashable) -> None:
+        super().__init__((), [], None, 0)
+        self.namespace = namespace
+
+
 @dataclass(frozen=True)
 class NodeView:
     """One node of the tree as `top_levels` shows it: read-only, for the engine view."""
@@ -76,9 +92,9 @@ class RadixCache:
         self.pool = pool
         self.block_size = block_size
         self._clock = 0
-        self._root = _Node((), [], None, 0)
+        self._roots: dict[Hashable, _Root] = {}  # by namespace
         self._cached: set[int] = set()
-        self._num_nodes = 0  # excluding the root
+        self._num_nodes = 0  # excluding the roots
         # Min-heap of (last_access, heap_id, node) over leaves, with lazy deletion: entries are never
         # removed when a node is touched, gains a child or is detached; they are skipped when popped
         # because their heap_id no longer matches the node's. heap_id also breaks ties in last_access.
@@ -116,8 +132,8 @@ class RadixCache:
             whole[id(node)] = trailing == len(node.blocks)
         return total
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached block-aligned prefix of token_ids.
+    def match_prefix(self, token_ids: Sequence[int], namespace: Hashable = None) -> list[int]:
+        """Block ids of the longest block-aligned prefix of token_ids cached in `namespace`.
 
         Takes one pool reference on each returned block for the caller (release with pool.free)
         and marks the matched path as recently used.
@@ -126,7 +142,9 @@ class RadixCache:
         n_blocks = len(token_ids) // bs
         matched: list[int] = []
         path: list[_Node] = []
-        node = self._root
+        node: _Node | None = self._roots.get(namespace)
+        if node is None:
+            return matched
         pos = 0  # in blocks
         while pos < n_blocks:
             child = node.children.get(tuple(token_ids[pos * bs : (pos + 1) * bs]))
@@ -148,15 +166,18 @@ class RadixCache:
         self.pool.incref(matched)
         return matched
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> int:
-        """Cache the full blocks of token_ids that block_ids covers; return the tokens already cached.
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None) -> int:
+        """Cache the full blocks of token_ids that block_ids covers, in `namespace`; return the
+        tokens already cached there.
 
         Blocks the tree already holds for the same prefix are kept; the caller's duplicates are not
         adopted (the caller frees its own copies). New blocks get one tree reference each.
         """
         bs = self.block_size
         n_blocks = min(len(block_ids), len(token_ids) // bs)
-        node = self._root
+        if n_blocks == 0:
+            return 0
+        node: _Node = self._roots.setdefault(namespace, _Root(namespace))
         path: list[_Node] = []
         pos = 0
         while pos < n_blocks:
@@ -215,11 +236,14 @@ class RadixCache:
             self._push_leaf(node)
         return freed
 
-    def top_levels(self, depth: int, limit: int) -> list[NodeView]:
-        """The first `depth` levels of the tree, breadth first, at most `limit` nodes: what the
-        engine view draws. Copies only the block lists; the token tuples are shared (immutable)."""
+    def top_levels(self, depth: int, limit: int, namespace: Hashable = None) -> list[NodeView]:
+        """The first `depth` levels of `namespace`'s tree, breadth first, at most `limit` nodes:
+        what the engine view draws. Copies only the block lists; the token tuples are shared
+        (immutable)."""
         views: list[NodeView] = []
-        queue = deque((child, -1, 1, 0) for child in self._root.children.values())
+        root = self._roots.get(namespace)
+        children = [] if root is None else root.children.values()
+        queue = deque((child, -1, 1, 0) for child in children)
         while queue and len(views) < limit:
             node, parent, level, start = queue.popleft()
             index = len(views)
@@ -234,9 +258,8 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every tree reference; blocks that requests still hold stay held."""
         for node in self._post_order():
-            if node is not self._root:
-                self.pool.free(node.blocks, by_cache=True)
-        self._root = _Node((), [], None, 0)
+            self.pool.free(node.blocks, by_cache=True)  # a root's list is empty
+        self._roots.clear()
         self._cached.clear()
         self._num_nodes = 0
         self._heap.clear()
@@ -301,7 +324,7 @@ class RadixCache:
     def _rebuild_heap(self) -> None:
         self._heap = []
         for node in self._post_order():
-            if node is not self._root and not node.children:
+            if node.parent is not None and not node.children:
                 self._next_heap_id += 1
                 node.heap_id = self._next_heap_id
                 self._heap.append((node.last_access, node.heap_id, node))
@@ -313,7 +336,11 @@ class RadixCache:
         del parent.children[node.tokens[: self.block_size]]
         node.parent = None
         self._num_nodes -= 1
-        if parent is not self._root and not parent.children:
+        if parent.children:
+            return
+        if isinstance(parent, _Root):
+            del self._roots[parent.namespace]  # an empty namespace costs nothing to forget
+        else:
             self._push_leaf(parent)  # it is a leaf now, so it can be evicted in turn
 
     def _count_tree_only_tail(self, blocks: list[int], limit: int) -> int:
@@ -335,8 +362,8 @@ class RadixCache:
                 raise ValueError(f"block {block_id} is free; the caller must hold the blocks it inserts")
 
     def _post_order(self) -> Iterator[_Node]:
-        """Every node, root included, children before parents, without recursion."""
-        stack: list[tuple[_Node, bool]] = [(self._root, False)]
+        """Every node, the roots included, children before parents, without recursion."""
+        stack: list[tuple[_Node, bool]] = [(root, False) for root in self._roots.values()]
         while stack:
             node, expanded = stack.pop()
             if expanded:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from yaie.cli.options import EnvDefaults, json_object, parse_bytes, positive_int
+from yaie.cli.options import EnvDefaults, json_object, non_negative_int, parse_bytes, positive_int
 from yaie.config import GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 from yaie.pooling_params import POOLING_TYPES
 
@@ -66,6 +66,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="token budget of one step",
     )
     add(
+        "--long-prefill-token-threshold",
+        type=non_negative_int,
+        default=defaults.long_prefill_token_threshold,
+        help="most tokens one prompt computes in a step (0: what the budget leaves): a step beside a long "
+        "prompt stays short for the streams decoding, and requests arriving meanwhile get in beside it",
+    )
+    add(
         "--scheduling-policy",
         default=defaults.scheduling_policy,
         choices=SCHEDULING_POLICIES,
@@ -106,6 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative_config=args.speculative_config,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         generation_config=args.generation_config,

@@ -29,6 +29,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):
@@ -46,6 +53,23 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+class Repeatable(argparse.Action):
+    """An option that may be given several times, collecting its values in a list. Given on the
+    command line, its values replace the default (one value from the environment) rather than
+    add to it, as every other option's do."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        collected = getattr(namespace, self.dest)
+        collected = [] if collected is None or collected is self.default else collected
+        setattr(namespace, self.dest, [*collected, values])
+
+
 def _env_flag(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
@@ -61,6 +85,11 @@ class EnvDefaults:
         if env in os.environ:
             value = os.environ[env]
             # argparse runs `type` over string defaults, so other values parse as on the command line.
-            kwargs["default"] = _env_flag(value) if kwargs.get("action") == "store_true" else value
+            default: Any = value
+            if kwargs.get("action") == "store_true":
+                default = _env_flag(value)
+            elif kwargs.get("action") is Repeatable:
+                default = [value]
+            kwargs["default"] = default
         kwargs["help"] = f"{kwargs.get('help', '')} [env: {env}]".strip()
         self.parser.add_argument(name, **kwargs)

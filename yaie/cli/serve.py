@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
@@ -13,7 +14,7 @@ import uvicorn
 from rich.markup import escape
 
 from yaie.cli.engine_args import add_engine_args, engine_config
-from yaie.cli.options import EnvDefaults, parse_bytes, positive_int, positive_seconds
+from yaie.cli.options import EnvDefaults, Repeatable, parse_bytes, positive_int, positive_seconds
 from yaie.cli.terminal import console, loading_bar
 from yaie.engine.async_engine import AsyncEngine
 from yaie.engine.engine import Engine
@@ -34,7 +35,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     env.add("model", nargs="?", help="a .gguf file or HF directory (default: the bundled SmolLM2-135M)")
     add_engine_args(serve)
     env.add("--served-model-name", help="the model name clients use (default: the model's path or file stem)")
-    env.add("--api-key", help="require `Authorization: Bearer KEY` on the API")
+    env.add(
+        "--api-key",
+        action=Repeatable,
+        help="require `Authorization: Bearer KEY` on the API; give it again for more keys, each its own "
+        "tenant (key-1, key-2, ...), sharing the engine fairly with the others",
+    )
+    env.add(
+        "--api-keys-file",
+        type=Path,
+        help='a JSON object of API keys and their tenants\' names, {"KEY": "TENANT", ...} (several keys '
+        "may name one tenant): the tenants share the engine fairly, each sees only its own",
+    )
     env.add("--host", default="127.0.0.1")
     env.add("--port", type=int, default=8000)
     env.add("--log-level", default="info", choices=LOG_LEVELS)
@@ -43,6 +55,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=positive_int,
         default=512,
         help="answer 429 when this many sequences already wait",
+    )
+    env.add(
+        "--max-waiting-per-tenant",
+        type=positive_int,
+        help="answer an API key's tenant 429 when this many of its sequences already wait (default: an "
+        "equal share of --max-waiting per tenant, so one tenant's flood never locks the others out)",
     )
     limits = ServerLimits()
     env.add(
@@ -91,14 +109,73 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.set_defaults(run=run)
 
 
+def api_keys(keys: list[str] | None, keys_file: Path | None) -> dict[str, str] | None:
+    """The API keys that open the server, each to its tenant's name: `--api-key`s (named key-1,
+    key-2, ... in the order given) and `--api-keys-file`'s; None when neither is given (an open
+    server). Raises ValueError, saying what is wrong, rather than serve with a key that would
+    not do what its operator meant (an empty one would open the server to anyone)."""
+    if keys is None and keys_file is None:
+        return None
+    tenants = {}
+    for index, key in enumerate(keys or [], start=1):
+        tenants[_checked_key(key, "--api-key")] = f"key-{index}"
+    if keys_file is not None:
+        where = f"--api-keys-file {keys_file}"
+        try:
+            listed = json.loads(keys_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{where}: cannot read a JSON object of keys and tenants: {exc}") from None
+        if not isinstance(listed, dict) or not listed:
+            raise ValueError(f'{where}: expected a JSON object of API keys and tenants, {{"KEY": "TENANT"}}')
+        generated = set(tenants.values())
+        for key, tenant in listed.items():
+            _checked_key(key, where)
+            if not isinstance(tenant, str) or not tenant.strip():
+                raise ValueError(f"{where}: a key's tenant must be a non-empty string, got {tenant!r}")
+            if key in tenants:
+                raise ValueError(f"{where}: a key is given twice (also as --api-key)")
+            if tenant in generated:
+                raise ValueError(f"{where}: the tenant name {tenant!r} is the one an --api-key key is given")
+            tenants[key] = tenant
+    return tenants
+
+
+def _checked_key(key: str, where: str) -> str:
+    if not key.strip():
+        raise ValueError(
+            f"{where}: an empty API key would let anyone in; give a key, or leave the option out to serve "
+            "without one"
+        )
+    if key != key.strip() or any(character.isspace() for character in key):
+        raise ValueError(f"{where}: an API key cannot hold spaces (clients could never send it)")
+    return key
+
+
+class RedactQueryStrings(logging.Filter):
+    """Access log lines without the values of query strings. The API reads nothing from them, and
+    a client that puts its API key there (`?api_key=`) must not have it written to the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access record: (client address, method, path with query, HTTP version, status)
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            path, _, query = args[2].partition("?")
+            names = [part.partition("=")[0] for part in query.split("&")]
+            redacted = "&".join(f"{name}=[redacted]" for name in names)
+            record.args = (*args[:2], f"{path}?{redacted}", *args[3:])
+        return True
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    keys = api_keys(args.api_key, args.api_keys_file)  # before the model loads: a bad key fails fast
     config = engine_config(args)
     with loading_bar() as progress:
         async_engine = AsyncEngine(lambda: Engine(config, load_progress=progress))
     name = args.served_model_name or args.model or Path(async_engine.model_path).stem
     limits = ServerLimits(
         max_waiting=args.max_waiting,
+        max_waiting_per_tenant=args.max_waiting_per_tenant,
         max_request_bytes=args.max_request_bytes,
         max_seqs_per_request=args.max_seqs_per_request,
         default_max_tokens=args.default_max_tokens,
@@ -106,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:  # the model's generation_config.json is read here: a bad one stops the start
         app = build_app(
-            async_engine, name, api_key=args.api_key, limits=limits,
+            async_engine, name, api_keys=keys, limits=limits,
             generation_config_source=config.generation_config, reasoning_parser=args.reasoning_parser,
         )  # fmt: skip
     except BaseException:
@@ -123,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=args.timeout_keep_alive,
         http=http_protocol(args.timeout_request_head),
     )
+    logging.getLogger("uvicorn.access").addFilter(RedactQueryStrings())  # uvicorn's logging is set up now
     Server(server_config, async_engine, name).run()
     async_engine.shutdown()
     return 0

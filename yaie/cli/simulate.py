@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size or int(engine.get("block_size", 16)),
         max_num_seqs=args.max_num_seqs or int(engine.get("max_num_seqs", 64)),
         max_num_batched_tokens=args.max_num_batched_tokens or int(engine.get("max_num_batched_tokens", 2048)),
+        long_prefill_token_threshold=int(
+            engine.get("long_prefill_token_threshold", EngineSettings.long_prefill_token_threshold)
+        ),
         draft_cost_ratio=args.draft_cost_ratio,
     )
     if args.trace:

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from yaie.engine.engine import Engine, EngineStats
 from yaie.engine.input_processor import ProcessedRequest
 from yaie.engine.request import deadline_after
+from yaie.engine.sequence import ANONYMOUS_TENANT
 from yaie.engine.snapshot import EngineSnapshots
 from yaie.errors import RequestFailedError, YaieError
 from yaie.outputs import RequestOutput
@@ -120,16 +121,26 @@ Delivery = tuple[str, StreamEntry, Outcome]  # for one request
 
 
 @dataclass(frozen=True)
+class Admission:
+    """Who sends a call's requests, and how many sequences may wait: `max_waiting` in all,
+    `max_waiting_per_tenant` of `tenant`'s (sequences: every choice of every request). A call
+    that would push either past its bound is refused with EngineOverloadedError."""
+
+    tenant: str = ANONYMOUS_TENANT
+    max_waiting: int | None = None
+    max_waiting_per_tenant: int | None = None
+
+
+@dataclass(frozen=True)
 class AddRequests:
-    """Queue processed requests, all or none, each with the stream that gets its outputs.
-    `max_waiting` (sequences, every choice of every request) refuses them with
-    EngineOverloadedError when they would push the number waiting past it."""
+    """Queue processed requests, all or none, each with the stream that gets its outputs."""
 
     requests: list[tuple[str, ProcessedRequest]]
     streams: list[StreamEntry]
-    max_waiting: int | None
+    admission: Admission
     priority: int  # Engine.add_processed_request's
     deadline: float | None  # a time.monotonic() instant, from when the call arrived
+    cache_salt: str | None  # Engine.add_processed_request's
     reply: concurrent.futures.Future[None]
 
 
@@ -142,8 +153,10 @@ class Abort:
 
 @dataclass(frozen=True)
 class TakeSnapshot:
-    """The engine's state for the engine view, and keep its step log recording for a while."""
+    """The engine's state for the engine view, as `viewer` (a tenant) may see it, and keep its
+    step log recording for a while."""
 
+    viewer: str
     reply: concurrent.futures.Future[dict[str, Any]]
 
 
@@ -195,46 +208,51 @@ class AsyncEngine:
         request_id: str,
         prompt: Prompt,
         params: SamplingParams | PoolingParams,
-        max_waiting: int | None = None,
+        admission: Admission = Admission(),
         *,
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError, EngineClosedError, or EngineOverloadedError
         (see add_requests). A text prompt is tokenized off the engine thread first."""
         deadline = deadline_after(timeout)  # tokenizing counts against it too
         token_ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
         requests = [(request_id, token_ids)]
-        (stream,) = await self._add_requests(requests, params, max_waiting, priority, deadline)
+        (stream,) = await self._add_requests(requests, params, admission, priority, deadline, cache_salt)
         return stream
 
     async def add_requests(
         self,
         requests: Sequence[tuple[str, list[int]]],
         params: SamplingParams | PoolingParams,
-        max_waiting: int | None = None,
+        admission: Admission = Admission(),
         *,
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Queue (request id, prompt token ids) pairs together: all of them, or none. They are
         checked, and their structured outputs compiled, on the tokenizer threads first, so
         that a new schema holds up no step.
 
-        `max_waiting` counts sequences, every choice of every request: EngineOverloadedError
-        (retry later) when these would push the number waiting past it. `priority` and
-        `timeout` (seconds from this call, checks and compiles included) apply to each request,
-        as in Engine.add_request.
+        `admission`: whose requests they are, and EngineOverloadedError (retry later) when they
+        would push the sequences waiting past its bounds. `priority`, `timeout` (seconds from this
+        call, checks and compiles included) and `cache_salt` apply to each request, as in
+        Engine.add_request; the tenant is `admission`'s.
         """
-        return await self._add_requests(requests, params, max_waiting, priority, deadline_after(timeout))
+        return await self._add_requests(
+            requests, params, admission, priority, deadline_after(timeout), cache_salt
+        )
 
     async def _add_requests(
         self,
         requests: Sequence[tuple[str, list[int]]],
         params: SamplingParams | PoolingParams,
-        max_waiting: int | None,
+        admission: Admission,
         priority: int,
         deadline: float | None,
+        cache_salt: str | None,
     ) -> list[RequestStream]:
         if self._closed:
             raise EngineClosedError("the server is shutting down")
@@ -246,7 +264,7 @@ class AsyncEngine:
         streams = [RequestStream(request_id, self) for request_id, _ in requests]
         reply: concurrent.futures.Future[None] = concurrent.futures.Future()
         entries = [(loop, stream) for stream in streams]
-        self._submit(AddRequests(processed, entries, max_waiting, priority, deadline, reply))
+        self._submit(AddRequests(processed, entries, admission, priority, deadline, cache_salt, reply))
         try:
             await asyncio.wrap_future(reply)
         except asyncio.CancelledError:
@@ -301,13 +319,14 @@ class AsyncEngine:
             raise EngineClosedError("the server is shutting down")
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
 
-    async def snapshot(self) -> dict[str, Any]:
-        """The engine's state for the engine view (yaie/engine/snapshot.py), taken between two
-        steps. Asking for it keeps the engine's step log recording for a few seconds."""
+    async def snapshot(self, viewer: str) -> dict[str, Any]:
+        """The engine's state for the engine view as tenant `viewer` may see it
+        (yaie/engine/snapshot.py), taken between two steps. Asking for it keeps the engine's step
+        log recording for a few seconds."""
         if self._closed:
             raise EngineClosedError("the server is shutting down")
         reply: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        self._submit(TakeSnapshot(reply))
+        self._submit(TakeSnapshot(viewer, reply))
         return await asyncio.wrap_future(reply)
 
     @property
@@ -382,22 +401,33 @@ class AsyncEngine:
 
             def take() -> dict[str, Any]:
                 self._engine.step_log.watch()
-                return self._snapshots.take()
+                return self._snapshots.take(command.viewer)
 
             _reply(command.reply, take)
 
     def _add(self, command: AddRequests) -> None:
         engine = self._engine
+        admission = command.admission
         num_seqs = sum(processed.num_seqs for _, processed in command.requests)
-        # Checked here, between steps, so that concurrent arrivals cannot all slip past it.
-        if command.max_waiting is not None and engine.stats().num_waiting + num_seqs > command.max_waiting:
-            raise EngineOverloadedError(f"{command.max_waiting} sequences are already waiting; retry later")
+        # Checked here, between steps, so that concurrent arrivals cannot all slip past them.
+        # The tenant's own bound first: a tenant that floods the queue is refused for itself,
+        # while the others' requests still get in.
+        limit = admission.max_waiting_per_tenant
+        if limit is not None and engine.scheduler.num_waiting(admission.tenant) + num_seqs > limit:
+            raise EngineOverloadedError(
+                f"this API key already has sequences waiting, and at most {limit} may wait for one "
+                "(--max-waiting-per-tenant); retry later"
+            )
+        limit = admission.max_waiting
+        if limit is not None and engine.stats().num_waiting + num_seqs > limit:
+            raise EngineOverloadedError(f"{limit} sequences are already waiting; retry later")
         added: list[str] = []
         try:
             for (request_id, processed), entry in zip(command.requests, command.streams, strict=True):
                 engine.add_processed_request(
-                    request_id, processed, priority=command.priority, deadline=command.deadline
-                )
+                    request_id, processed, priority=command.priority, deadline=command.deadline,
+                    tenant=admission.tenant, cache_salt=command.cache_salt,
+                )  # fmt: skip
                 added.append(request_id)
                 self._streams[request_id] = entry
         except BaseException:

@@ -43,7 +43,7 @@ from yaie.engine.resources import (
     resolve_kv_cache_dtype,
 )
 from yaie.engine.scheduler import Scheduler, SchedulerOutput
-from yaie.engine.sequence import Sequence, SequenceStatus
+from yaie.engine.sequence import ANONYMOUS_TENANT, Sequence, SequenceStatus
 from yaie.engine.step_log import StepLog
 from yaie.engine.step_shape import StepShape, StepTotals
 from yaie.errors import InvalidRequestError, RequestFailedError, YaieError
@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int  # sequences
-    num_waiting: int  # sequences waiting for admission
+    num_waiting: int  # sequences waiting for admission (with n > 1 siblings waiting for the prompt)
     num_kv_blocks: int
     num_used_kv_blocks: int  # held by sequences
     num_cached_kv_blocks: int  # held only by the prefix cache: evictable, so in effect free
@@ -154,6 +154,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             prefix_cache=prefix_cache, drafter=self.speculator, policy=config.scheduling_policy,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )  # fmt: skip
         logger.info("scheduling policy: %s", config.scheduling_policy)
         self.input_processor = InputProcessor(
@@ -177,14 +178,21 @@ class Engine:
         *,
         priority: int = 0,
         timeout: float | None = None,
+        tenant: str = ANONYMOUS_TENANT,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request, generating (SamplingParams) or pooling (PoolingParams: an embedding);
         returns its id. Raises InvalidRequestError for input we refuse. `priority`: lower runs
         first, under the priority scheduling policy (must be 0 under fcfs). `timeout`: seconds from
-        now after which the request ends, finished or not, with finish_reason "timeout"."""
+        now after which the request ends, finished or not, with finish_reason "timeout". `tenant`:
+        who sent it: the engine is shared fairly between tenants (the scheduler's module
+        docstring), and a tenant's prompts share the prefix cache only with its own, and with
+        the same `cache_salt` (vLLM's)."""
         deadline = deadline_after(timeout)
         processed = self.input_processor.process(prompt, params or SamplingParams())
-        return self.add_processed_request(request_id, processed, priority=priority, deadline=deadline)
+        return self.add_processed_request(
+            request_id, processed, priority=priority, deadline=deadline, tenant=tenant, cache_salt=cache_salt
+        )
 
     def add_processed_request(
         self,
@@ -193,6 +201,8 @@ class Engine:
         *,
         priority: int = 0,
         deadline: float | None = None,
+        tenant: str = ANONYMOUS_TENANT,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request the input processor made ready (perhaps on another thread); returns
         its id. `deadline`: the time.monotonic() instant by which it ends (see add_request)."""
@@ -200,7 +210,7 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        request = self._new_request(request_id, processed, priority)
+        request = self._new_request(request_id, processed, priority, tenant, cache_salt)
         request.deadline = deadline
         self.requests[request_id] = request
         seqs = [choice.seq for choice in request.choices]
@@ -208,22 +218,33 @@ class Engine:
         self.step_log.arrived(request_id)
         return request_id
 
-    def _new_request(self, request_id: str, processed: ProcessedRequest, priority: int) -> Request:
+    def _new_request(
+        self, request_id: str, processed: ProcessedRequest, priority: int, tenant: str, cache_salt: str | None
+    ) -> Request:
         """The request with its n choices: a sequence for the scheduler each, with its own
         grammar matcher and seeded generator where the request has them."""
         params, prompt_token_ids = processed.params, processed.prompt_token_ids
         if isinstance(params, PoolingParams):
             if params.pooling_type is None:
                 params = replace(params, pooling_type=self.config.pooling)
-            request = Request(request_id, processed.prompt, prompt_token_ids, params, priority=priority)
-            seq = Sequence(f"{request_id}-0", prompt_token_ids, params, request_id, 0, priority)
+            request = Request(
+                request_id, processed.prompt, prompt_token_ids, params, priority=priority, tenant=tenant
+            )
+            seq = Sequence(
+                f"{request_id}-0", prompt_token_ids, params, request_id, 0, priority, tenant, cache_salt
+            )
             request.choices.append(Choice(seq, detokenizer=None))
             return request
-        request = Request(request_id, processed.prompt, prompt_token_ids, params, priority=priority)
+        request = Request(
+            request_id, processed.prompt, prompt_token_ids, params, priority=priority, tenant=tenant
+        )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         for index in range(params.n):
-            seq = Sequence(f"{request_id}-{index}", prompt_token_ids, params, request_id, index, priority)
+            seq = Sequence(
+                f"{request_id}-{index}", prompt_token_ids, params, request_id, index, priority, tenant,
+                cache_salt,
+            )  # fmt: skip
             if processed.grammar is not None:
                 seq.grammar = processed.grammar.matcher()
             if params.seed is not None:
@@ -273,7 +294,7 @@ class Engine:
         pool = self.block_pool
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting(),
             num_kv_blocks=pool.num_blocks,
             num_used_kv_blocks=pool.num_used - pool.num_cached_only,
             num_cached_kv_blocks=pool.num_cached_only,

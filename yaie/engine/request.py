@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from yaie.config import SCHEDULING_POLICIES
 from yaie.engine.detokenizer import IncrementalDetokenizer
-from yaie.engine.sequence import Sequence
+from yaie.engine.sequence import ANONYMOUS_TENANT, Sequence
 from yaie.errors import InvalidRequestError
 from yaie.outputs import TokenLogprob
 from yaie.pooling_params import PoolingParams
@@ -51,6 +51,7 @@ class Request:
     # has nothing before it to predict it, so its entry is None (as in vLLM).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     priority: int = 0  # under the priority policy, lower runs first (vLLM's convention)
+    tenant: str = ANONYMOUS_TENANT  # who sent it: the engine is shared fairly between tenants
     # The time.monotonic() instant by which the request ends, finished or not (its `timeout`).
     deadline: float | None = None
     # A mean-pooling request's sum of final hidden states over the prompt computed so far.

@@ -1,9 +1,13 @@
 """Continuous batching: decide, every step, which sequences compute how many tokens.
 
-Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, in
-admission order: a decoding sequence needs one token, a sequence still in its prompt takes as
-many tokens as the budget leaves (chunked prefill). Waiting sequences are then admitted from the
-head of the waiting queue while the budget, `max_num_seqs` and free KV blocks allow. When a
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, and of
+them the decoding ones first, one token each, in admission order; then the running sequences
+still in their prompt (or recomputing after a preemption) take chunks of what the budget leaves
+(chunked prefill), each at most `long_prefill_token_threshold` tokens. That is Sarathi-Serve's
+stall-free batching: a decode never waits for a prompt, and a long prompt never takes a whole
+step, so a request that arrives while it is computed is admitted beside it instead of waiting
+for its end. Waiting sequences are then admitted from the head of the waiting queue while the
+budget, `max_num_seqs` and free KV blocks allow, their prompts chunked the same way. When a
 running sequence needs a block and none is free, the prefix cache gives back unused blocks
 first; after that a running sequence is preempted: its blocks are freed and it waits to be
 recomputed from its prompt plus what it has generated so far. The running sequence the policy
@@ -18,6 +22,17 @@ The scheduling policy (vLLM's `scheduling_policy`) decides the two orders:
   the largest (priority, arrival), which may be one already planned this step (it is taken back
   out of the plan). A waiting sequence of higher priority does not preempt running ones to get
   in (as vLLM): it is admitted first when room frees up.
+
+Fair share between tenants, under either policy: each sequence carries its request's `tenant`
+(who sent it: the server's API key). The scheduler counts each active tenant's service, the
+tokens its sequences computed weighted PREFILL_WEIGHT a prompt token and DECODE_WEIGHT a decode
+token (the Virtual Token Counter of Sheng et al., OSDI 2024), and a tenant that becomes active
+starts level with the least served active one. Of the waiting sequences the policy ranks first
+(all under fcfs; those of the most urgent priority under priority: priority wins), the one
+admitted is the first of the tenant with the least service; so a tenant that floods the queue
+is admitted in turn with the others, not ahead of them. The victim of a preemption is taken,
+among the least urgent, from the tenant with the most service. With one tenant, all of this is
+the policy's order above.
 
 A request with n > 1 choices arrives as n sequences with the same prompt. Only the first is
 queued; its siblings wait until it has computed the prompt and then share its KV blocks, so the
@@ -53,6 +68,13 @@ from yaie.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from yaie.cache.radix_cache import RadixCache
+
+# The Virtual Token Counter's weights (Sheng et al., "Fairness in Serving Large Language Models",
+# OSDI 2024): the service a tenant is counted for each token a step computes for it. The paper's
+# 1 and 2, as providers' prices weigh input and output tokens: a decode token is computed alone,
+# a prompt token in a chunk that shares one pass over the weights.
+PREFILL_WEIGHT = 1
+DECODE_WEIGHT = 2
 
 
 class Drafter(Protocol):
@@ -149,9 +171,12 @@ class Scheduler:
         prefix_cache: RadixCache | None = None,
         drafter: Drafter | None = None,
         policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """`drafter`: with speculative decoding, what drafts the tokens each plan verifies.
-        `policy`: one of SCHEDULING_POLICIES (see the module docstring)."""
+        `policy`: one of SCHEDULING_POLICIES (see the module docstring).
+        `long_prefill_token_threshold`: the most prompt tokens one sequence computes in a step
+        (0: as many as the budget leaves)."""
         if policy not in SCHEDULING_POLICIES:
             choices = ", ".join(SCHEDULING_POLICIES)
             raise ValueError(f"scheduling policy must be one of {choices}; got {policy!r}")
@@ -160,6 +185,7 @@ class Scheduler:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefix_cache = prefix_cache
         self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
@@ -169,6 +195,10 @@ class Scheduler:
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (not cache hits)
         # n > 1: siblings waiting for the first choice's prompt (see `add`), by that choice.
         self._siblings: dict[Sequence, list[Sequence]] = {}
+        # Fair share: the service (weighted tokens computed) counted to each active tenant, one
+        # with a sequence here (waiting, running or a waiting sibling), and how many it has.
+        self._service: dict[str, int] = {}
+        self._num_seqs: dict[str, int] = {}
         # Keep a few blocks free when admitting, so that admitting a sequence does not force a
         # preemption on the very next decode step.
         self.watermark_blocks = max(1, block_pool.num_blocks // 100)
@@ -179,20 +209,42 @@ class Scheduler:
         """Queue a sequence. `siblings`, the other choices of the same request (same prompt),
         wait until `seq` has computed the prompt, then take references on its prompt blocks
         instead of computing them again."""
+        siblings = list(siblings)
         seq.status = SequenceStatus.WAITING
         seq.arrival = next(self._arrivals)
+        tenant = seq.tenant
+        if tenant not in self._num_seqs:
+            # A tenant that becomes active starts level with the least served of the others
+            # (VTC's lift): counting from where it stopped would let an idle tenant bank credit,
+            # and from zero would let it take the engine until it caught up.
+            self._service[tenant] = min(self._service.values(), default=0)
+            self._num_seqs[tenant] = 0
+        self._num_seqs[tenant] += 1 + len(siblings)
         self._enqueue(seq, len(self.waiting))
         if siblings:
             for sibling in siblings:
                 sibling.arrival = seq.arrival  # one request: one place in the order
-            self._siblings[seq] = list(siblings)
+            self._siblings[seq] = siblings
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_waiting(self, tenant: str | None = None) -> int:
+        """Sequences waiting for admission (siblings waiting for their first choice's prompt
+        included): all of them, or `tenant`'s."""
+        waiting = itertools.chain(self.waiting, *self._siblings.values())
+        if tenant is None:
+            return sum(1 for _ in waiting)
+        return sum(1 for seq in waiting if seq.tenant == tenant)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of the queues for good and release its blocks: one the step
         finished (through `update`), or one of a request the engine aborts or fails."""
+        if seq.status.finished:
+            return  # released already
+        self._num_seqs[seq.tenant] -= 1
+        if not self._num_seqs[seq.tenant]:  # no longer active: it starts level when it comes back
+            del self._num_seqs[seq.tenant], self._service[seq.tenant]
         self._release_siblings(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -211,54 +263,69 @@ class Scheduler:
         """Plan the next step: who computes how many tokens (and, when speculating, which
         drafts follow each decoding sequence's last token)."""
         budget = self.max_num_batched_tokens
-        planned: list[tuple[Sequence, int]] = []
+        planned: dict[Sequence, int] = {}  # in batch order
         preempted: list[Sequence] = []
 
-        # planned[i] is running[i]'s part for every i < index.
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        # Stall-free batching (Sarathi-Serve): every decode first, one token each, then prompt
+        # chunks from what is left, so that no prompt, however long or old, holds up a decode.
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(seq, budget)
             while not self._grow(seq, num_new):
                 victim = self._victim()
-                position = self.running.index(victim)
-                del self.running[position]
-                if position < index:  # planned earlier in this step: take its part back
-                    budget += planned.pop(position)[1]
-                    index -= 1
+                self.running.remove(victim)
+                if victim in planned:  # planned earlier in this step: take its part back
+                    budget += planned[victim]
+                    self._charge(victim, -planned.pop(victim))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
-                    break  # the next sequence now stands at `index`
+                    break
             else:
-                planned.append((seq, num_new))
+                planned[seq] = num_new
                 budget -= num_new
-                index += 1
+                self._charge(seq, num_new)
 
         # Admitting new work while evicting old work would only thrash: wait for a calmer step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_admission()
             if not seq.block_table:
                 self._match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             reserve = self.watermark_blocks if self.running else 0
             if not self._grow(seq, num_new, reserve=reserve):
+                # Nobody else goes first: the one the policy chose gets in when room frees up.
                 self._release_blocks(seq)  # give back prefix-cache references until next time
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            planned.append((seq, num_new))
+            planned[seq] = num_new
             budget -= num_new
+            self._charge(seq, num_new)
 
         drafts = self._lookahead(planned, budget) if self.drafter is not None else {}
         scheduled = []
-        for seq, num_new in planned:
+        for seq, num_new in planned.items():
             draft = drafts.get(seq, ())
             scheduled.append(ScheduledSequence(seq, num_new + len(draft), draft))
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _lookahead(self, planned: list[tuple[Sequence, int]], room: int) -> dict[Sequence, tuple[int, ...]]:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens `seq` computes this step, out of the `budget` left: all it lacks, but at
+        most `long_prefill_token_threshold` of a prompt, so that a long prompt leaves room in
+        every step for other prompts beside it (vLLM's option)."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if 0 < self.long_prefill_token_threshold < num_new:
+            return self.long_prefill_token_threshold
+        return num_new
+
+    def _lookahead(self, planned: dict[Sequence, int], room: int) -> dict[Sequence, tuple[int, ...]]:
         """Draft tokens after the decoding sequences' last tokens, for the target to verify in
         this step: they count against the step's token budget (`room` is what it has left),
         and their slots need blocks, taken only where free (speculation never preempts or
@@ -266,7 +333,7 @@ class Scheduler:
         assert self.drafter is not None
         decoding = [
             seq
-            for seq, num_new in planned
+            for seq, num_new in planned.items()
             if num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.pooling_params is None
         ]
         if not decoding or room <= 0:
@@ -279,6 +346,7 @@ class Scheduler:
             if draft:
                 lookahead[seq] = tuple(draft)
                 room -= len(draft)
+                self._charge(seq, len(draft))
         return lookahead
 
     def update(
@@ -354,7 +422,7 @@ class Scheduler:
             return
         # Leave at least the last token to compute: its logits (or a pooling sequence's last
         # hidden state) are what the step is for.
-        blocks = self.prefix_cache.match_prefix(seq.all_token_ids[:-1])
+        blocks = self.prefix_cache.match_prefix(seq.all_token_ids[:-1], seq.cache_namespace)
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         if seq.num_preemptions == 0:
@@ -365,7 +433,7 @@ class Scheduler:
             return
         full_blocks = seq.num_computed_tokens // self.block_size
         if full_blocks:
-            self.prefix_cache.insert(seq.all_token_ids, seq.block_table[:full_blocks])
+            self.prefix_cache.insert(seq.all_token_ids, seq.block_table[:full_blocks], seq.cache_namespace)
 
     def _release_blocks(self, seq: Sequence) -> None:
         self._cache_computed_blocks(seq)
@@ -381,7 +449,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(seq, 0)
 
-    # -- the policy's two orders ----------------------------------------------------------------
+    # -- the policy's orders ----------------------------------------------------------------------
 
     def _enqueue(self, seq: Sequence, fcfs_position: int) -> None:
         """Put a sequence in the waiting queue: at `fcfs_position` under fcfs (the end for an
@@ -392,12 +460,56 @@ class Scheduler:
             position = bisect.bisect_right(self.waiting, _waiting_key(seq), key=_waiting_key)
         self.waiting.insert(position, seq)
 
+    def _charge(self, seq: Sequence, num_tokens: int) -> None:
+        """Count `num_tokens` (negative: taken back out of the plan) that the step computes for
+        `seq` to its tenant's service: prompt chunks (recomputation after a preemption too) at
+        PREFILL_WEIGHT a token, a decode's token and its drafts at DECODE_WEIGHT."""
+        done = seq.num_computed_tokens
+        decoding = done >= seq.num_prompt_tokens and done + 1 >= seq.num_tokens
+        self._service[seq.tenant] += num_tokens * (DECODE_WEIGHT if decoding else PREFILL_WEIGHT)
+
+    def _next_admission(self) -> Sequence:
+        """The waiting sequence to admit next (the queue must not be empty).
+
+        A sequence holding blocks goes first (a released sibling: see `_release_siblings`).
+        Otherwise fair share (VTC): of the sequences the policy ranks first (under priority, those
+        of the most urgent priority waiting; under fcfs, all), the first in the queue of the
+        tenant with the least service. With one tenant this is the head of the queue."""
+        head = self.waiting[0]
+        if head.block_table:
+            return head
+        chosen = head
+        seen = {head.tenant}
+        for seq in itertools.islice(self.waiting, 1, None):
+            if len(seen) == len(self._service) or (
+                self.policy == "priority" and seq.priority != head.priority
+            ):
+                break  # every active tenant's first is seen, or the most urgent priority is
+            if seq.tenant in seen:
+                continue
+            seen.add(seq.tenant)
+            if self._service[seq.tenant] < self._service[chosen.tenant]:
+                chosen = seq
+        return chosen
+
     def _victim(self) -> Sequence:
-        """The running sequence to preempt when blocks run out: the newest admitted under fcfs,
-        the largest (priority, arrival) under priority (the newest admitted among equals)."""
+        """The running sequence to preempt when blocks run out: under priority, one of the
+        least urgent priority running; of those, one of the tenant with the most service
+        (fair share); of its, the newest admitted. The running sequence first in the policy's
+        order (the oldest admitted under fcfs, the least (priority, arrival) under priority)
+        is never the victim while another runs, so it always progresses: no livelock."""
+        first = self.running[0]
         if self.policy == "priority":
-            return max(reversed(self.running), key=lambda seq: (seq.priority, seq.arrival))
-        return self.running[-1]
+            first = min(self.running, key=lambda seq: (seq.priority, seq.arrival))
+        candidates = [seq for seq in self.running if seq is not first] or [first]
+
+        def rank(position: int) -> tuple[int, ...]:
+            seq = candidates[position]
+            if self.policy == "priority":  # ties in service: the newest arrival, as vLLM
+                return (seq.priority, self._service[seq.tenant], seq.arrival, position)
+            return (self._service[seq.tenant], position)
+
+        return candidates[max(range(len(candidates)), key=rank)]
 
 
 def _waiting_key(seq: Sequence) -> tuple[bool, int, int]:

@@ -12,6 +12,9 @@ from typing import Any
 from yaie.pooling_params import PoolingParams
 from yaie.sampling_params import SamplingParams
 
+# Whom the requests of a server without API keys (and of the offline `LLM`) come from: one tenant.
+ANONYMOUS_TENANT = "anonymous"
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -35,6 +38,8 @@ class Sequence:
         request_id: str | None = None,
         index: int = 0,
         priority: int = 0,
+        tenant: str = ANONYMOUS_TENANT,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = seq_id if request_id is None else request_id  # the Request it belongs to
@@ -42,6 +47,12 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         # Under the priority policy: lower runs first (vLLM's convention); ties go by arrival.
         self.priority = priority
+        # Who sent its request (the API key's tenant): the scheduler shares the engine fairly
+        # between tenants, and a tenant's prompts are matched only by its own in the prefix cache.
+        self.tenant = tenant
+        # vLLM's `cache_salt`: the request's prompt shares prefix-cache blocks only with requests of
+        # the same tenant and the same salt (e.g. the users behind one API key, kept apart).
+        self.cache_salt = cache_salt
         self.arrival = 0  # the scheduler's arrival order, stamped by Scheduler.add
         self.params = params
         self.status = SequenceStatus.WAITING
@@ -82,6 +93,11 @@ class Sequence:
         if pooling is not None:
             return pooling.pooling_type == "mean"
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def cache_namespace(self) -> tuple[str, str | None]:
+        """Where in the prefix cache its prompt is looked up and kept (yaie/cache/radix_cache.py)."""
+        return (self.tenant, self.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

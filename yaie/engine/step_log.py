@@ -152,7 +152,7 @@ class StepLog:
             bin_.preemptions += 1
             self.events.append(
                 {"time": now, "kind": "preemption", "request_id": seq.request_id, "index": seq.index,
-                 "num_tokens": seq.num_tokens}
+                 "num_tokens": seq.num_tokens, "tenant": seq.tenant}
             )  # fmt: skip
         self._record_evictions(scheduler, bin_, now)
         self.recent_steps.append(
@@ -178,7 +178,8 @@ class StepLog:
 
     def to_json(self) -> dict[str, Any]:
         """{seconds: {field of SecondBin: [one value per bin, oldest first]}, recent_steps: {field
-        of StepRecord: [one value per step]}, events: [...]}."""
+        of StepRecord: [one value per step]}, events: [...]}. A preemption event says whose
+        sequence it was (`tenant`), for the snapshot to show each viewer only its own ids."""
         current = () if self._second is None else (self._second,)
         return {
             "seconds": self._past_seconds.to_json(*current),

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from pydantic import BaseModel
 import yaie
 from yaie import generation_config
 from yaie.config import GENERATION_CONFIGS
-from yaie.engine.async_engine import AsyncEngine
+from yaie.engine.async_engine import Admission, AsyncEngine
 from yaie.errors import InvalidRequestError
 from yaie.outputs import RequestOutput
 from yaie.pooling_params import PoolingParams
@@ -43,7 +43,7 @@ from yaie.server.chat_completions import ChatCompletion
 from yaie.server.completions import Completion
 from yaie.server.errors import APIError, add_error_handlers, model_not_found
 from yaie.server.metrics import RequestTracker, ServerMetrics
-from yaie.server.middleware import LimitRequestBytes, RequireAPIKey
+from yaie.server.middleware import LimitRequestBytes, RequireAPIKey, tenant_of
 from yaie.server.ollama import OllamaAPI
 from yaie.server.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser
 from yaie.server.responses import ResponseBuilder, ResponseStore
@@ -61,8 +61,11 @@ class ServerLimits:
     """What one request may ask of the server, each checked before any work is done for it."""
 
     max_waiting: int | None = None  # 429 while this many sequences already wait for admission
+    # 429 for a tenant (an API key's) while this many of its sequences wait; None: an equal share
+    # of max_waiting per tenant, so a tenant's flood never fills the queue for the others.
+    max_waiting_per_tenant: int | None = None
     max_request_bytes: int = 8 * 2**20  # 413 for a bigger body
-    max_seqs_per_request: int = 256  # prompts x n; 400 beyond
+    max_seqs_per_request: int = 256  # prompts x n; 400 beyond (--max-seqs-per-request)
     # When a request leaves max_tokens out. vLLM's default is the rest of the context, which lets
     # one careless request hold a sequence (and its KV cache) for thousands of steps; ours is a
     # bound of its own, cut to the room the prompt leaves (and to the model's max_new_tokens).
@@ -95,17 +98,26 @@ class OpenAIServer:
         limits: ServerLimits,
         defaults: generation_config.GenerationDefaults,
         reasoning_parser: ReasoningParser | None = None,
+        num_tenants: int = 1,
     ) -> None:
+        """`num_tenants`: how many tenants the API keys name (1 without keys)."""
         self.engine = async_engine
         self.reasoning_parser = reasoning_parser
         self.model_name = served_model_name
         self.limits = limits
+        self.max_waiting_per_tenant = limits.max_waiting_per_tenant
+        if self.max_waiting_per_tenant is None and limits.max_waiting is not None:
+            # The shares add up to max_waiting: a tenant within its share is never refused
+            # because of what the others queued.
+            self.max_waiting_per_tenant = max(1, limits.max_waiting // num_tenants)
         self.defaults = defaults
         self.tokenizer = async_engine.tokenizer
         self.tool_format = tool_formats.for_template(getattr(self.tokenizer, "chat_template", None))
         self.metrics = ServerMetrics(async_engine.stats)
         self.max_prompt_chars = async_engine.max_model_len * MAX_CHARS_PER_TOKEN
-        self.responses = ResponseStore()  # what /v1/responses stores, for previous_response_id
+        # What /v1/responses stores, for previous_response_id: a store per tenant, so that one
+        # can neither read another's responses nor push them out of a shared store.
+        self._response_stores: dict[str, ResponseStore] = {}
         # One card, made at start: `created` is when the model was loaded, the same on every call.
         self.model_card = p.ModelCard(
             id=served_model_name, root=str(async_engine.model_path), max_model_len=async_engine.max_model_len
@@ -119,15 +131,28 @@ class OpenAIServer:
                 param,
             )
 
-    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
-        limit = self.limits.max_seqs_per_request
+    def _check_num_seqs(self, num_prompts: int, n: int, param: str = "n") -> None:
+        """A 400 naming the limit when `num_prompts` x `n` sequences are more than one request may
+        run, or than could ever wait at once (they would be refused with a 429 forever)."""
+        limits = [(self.limits.max_seqs_per_request, "--max-seqs-per-request")]
+        if self.max_waiting_per_tenant is not None:
+            limits.append((self.max_waiting_per_tenant, "--max-waiting-per-tenant"))
         if self.limits.max_waiting is not None:
-            limit = min(limit, self.limits.max_waiting)  # more could never be admitted
+            limits.append((self.limits.max_waiting, "--max-waiting"))
+        limit, option = min(limits)
         if num_prompts * n > limit:
             raise InvalidRequestError(
-                f"n: {num_prompts} prompt(s) x n={n} is more than the {limit} sequences one request may run",
-                "n",
+                f"{param}: {num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences, more than "
+                f"the {limit} one request may run on this server ({option})",
+                param,
             )
+
+    def _admission(self, request: Request) -> Admission:
+        return Admission(tenant_of(request), self.limits.max_waiting, self.max_waiting_per_tenant)
+
+    def responses(self, request: Request) -> ResponseStore:
+        """The stored responses of the request's tenant."""
+        return self._response_stores.setdefault(tenant_of(request), ResponseStore())
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -173,8 +198,9 @@ class OpenAIServer:
         timeout = body.timeout if body.timeout is not None else self.limits.request_timeout
         try:
             streams = await self.engine.add_requests(
-                requests, params, self.limits.max_waiting, priority=body.priority or 0, timeout=timeout
-            )
+                requests, params, self._admission(request), priority=body.priority or 0, timeout=timeout,
+                cache_salt=body.cache_salt,
+            )  # fmt: skip
         except InvalidRequestError as exc:
             raise translate(exc) from exc
         return Generation(request, streams, trackers, params.n, self.metrics, translate)
@@ -251,12 +277,7 @@ class OpenAIServer:
         everyone else's; their vectors, in order. `param`: the request's field, for errors;
         `truncate`: cut inputs longer than the context to fit (Ollama's), else refuse them."""
         names = [param if len(prompts) == 1 else f"{param}[{i}]" for i in range(len(prompts))]
-        if self.limits.max_waiting is not None and len(prompts) > self.limits.max_waiting:
-            raise InvalidRequestError(
-                f"{param}: {len(prompts)} inputs are more than the {self.limits.max_waiting} this server "
-                "lets wait at once",
-                param,
-            )
+        self._check_num_seqs(len(prompts), 1, param)
         for name, prompt in zip(names, prompts, strict=True):
             if isinstance(prompt, str):
                 self._check_chars([prompt], name)
@@ -278,7 +299,7 @@ class OpenAIServer:
         request_id = f"embd-{uuid.uuid4().hex}"
         requests = [(f"{request_id}-{i}", ids) for i, ids in enumerate(token_ids)]
         trackers = [RequestTracker(self.metrics) for _ in requests]
-        streams = await self.engine.add_requests(requests, params, self.limits.max_waiting)
+        streams = await self.engine.add_requests(requests, params, self._admission(request))
         finals = await Generation(request, streams, trackers, 1, self.metrics).final_outputs()
         return Embedded(
             [_pooled(final) for final in finals], sum(len(final.prompt_token_ids) for final in finals)
@@ -292,7 +313,8 @@ class OpenAIServer:
         self._check_model(body.model)
         history: list[p.ChatMessage] = []
         if body.previous_response_id is not None:
-            history = self.responses.get(body.previous_response_id, "previous_response_id").conversation
+            stored = self.responses(request).get(body.previous_response_id, "previous_response_id")
+            history = stored.conversation
         chat = body.to_chat(history)
         params = chat.to_sampling_params(self.tool_format, self.defaults.sampling)
         messages = chat.template_messages()
@@ -300,19 +322,20 @@ class OpenAIServer:
         response_id = f"resp_{uuid.uuid4().hex}"
         prompt = await self.engine.encode_chat(messages, chat.tool_definitions)
         generation = await self._start(request, chat, params, [(response_id, prompt)])
+        store = self.responses(request)
         builder = ResponseBuilder(
-            response_id, self.model_name, body, chat, params, history, self.tool_format, self.responses
+            response_id, self.model_name, body, chat, params, history, self.tool_format, store
         )
         if body.stream:
             return event_stream(builder.events(generation), builder.event_format())
         finals = await generation.final_outputs()
         return _json(builder.response(finals, generation.usage()))
 
-    async def get_response(self, response_id: str) -> Response:
-        return _json(self.responses.get(response_id).response)
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        return _json(self.responses(request).get(response_id).response)
 
-    async def delete_response(self, response_id: str) -> Response:
-        self.responses.delete(response_id)
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        self.responses(request).delete(response_id)
         return _json(rp.DeletedResponse(id=response_id))
 
     async def messages(self, request: Request) -> Response:
@@ -401,12 +424,17 @@ class OpenAIServer:
 def build_app(
     async_engine: AsyncEngine,
     served_model_name: str,
-    api_key: str | None = None,
+    api_keys: Mapping[str, str] | None = None,
     limits: ServerLimits = ServerLimits(),
     generation_config_source: str = "auto",
     reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The API for `async_engine`, which the caller starts and shuts down.
+
+    `api_keys`: the keys that open the API, each to its tenant's name (several keys may share
+    one); None: the API is open, and every request is the anonymous tenant's. Tenants share the
+    engine fairly (yaie/engine/scheduler.py), each with its own share of the waiting queue, its
+    own prefix cache, stored responses and view of the engine.
 
     `generation_config_source` is EngineConfig.generation_config: "auto" applies the model's
     generation_config.json defaults to requests that leave them out, "vllm" ignores the file.
@@ -423,7 +451,10 @@ def build_app(
     if limits.request_timeout is not None:
         logger.info("requests without a timeout of their own end after %g s", limits.request_timeout)
     parser = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
-    server = OpenAIServer(async_engine, served_model_name, limits, defaults, parser)
+    if api_keys is not None and (not api_keys or not all(api_keys)):
+        raise ValueError("an API key must not be empty: that would let anyone in")
+    num_tenants = len(set(api_keys.values())) if api_keys else 1
+    server = OpenAIServer(async_engine, served_model_name, limits, defaults, parser, num_tenants)
     app = FastAPI(title="yaie", version=yaie.__version__)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
@@ -456,8 +487,8 @@ def build_app(
     add_error_handlers(app)
     # The last added runs first: the key is checked before the body is read.
     app.add_middleware(LimitRequestBytes, max_bytes=limits.max_request_bytes)
-    if api_key:
-        app.add_middleware(RequireAPIKey, api_key=api_key, public_paths=PUBLIC_PATHS)
+    if api_keys is not None:
+        app.add_middleware(RequireAPIKey, tenants=api_keys, public_paths=PUBLIC_PATHS)
     return app
 
 

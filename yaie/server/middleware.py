@@ -3,41 +3,70 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from urllib.parse import parse_qsl
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from yaie.engine.sequence import ANONYMOUS_TENANT
 from yaie.server.errors import APIError
+
+# Query parameters some clients put a key in. A URL is written to access logs, proxies' logs and
+# browser histories, so a key there is refused (and never logged: yaie/cli/serve.py).
+KEY_QUERY_PARAMETERS = frozenset({"api_key", "api-key", "key", "apikey", "token", "access_token"})
 
 
 class RequireAPIKey:
-    """Without `Authorization: Bearer <key>` (or `x-api-key: <key>`, Anthropic's header), only
-    `public_paths` answer.
+    """Without `Authorization: Bearer <key>` (or `x-api-key: <key>`, Anthropic's header) carrying
+    one of `tenants`' keys, only `public_paths` answer. A request with a key is its tenant's
+    (`tenants[key]`): `tenant_of(request)` says whose.
 
-    Checked before anything reads the body, so a client without the key learns nothing else.
-    The scheme's name is case-insensitive (RFC 9110); the key is compared in constant time.
+    Checked before anything reads the body, so a client without a key learns nothing else.
+    The scheme's name is case-insensitive (RFC 9110); the key is compared with every key in
+    constant time, so the time taken tells nothing about which key came close.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, public_paths: Collection[str]) -> None:
+    def __init__(self, app: ASGIApp, tenants: Mapping[str, str], public_paths: Collection[str]) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.tenants = [(key.encode(), tenant) for key, tenant in tenants.items()]
         self.public_paths = public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public_paths:
             headers = dict(scope["headers"])
-            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
-            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected):
-                error = APIError(
-                    401,
-                    "missing or incorrect API key",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await error.response(scope["path"])(scope, receive, send)
+            scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+            presented = [headers.get(b"x-api-key", b"")]
+            if scheme.lower() == b"bearer":
+                presented.append(bearer.strip())
+            tenant = None
+            for key, name in self.tenants:  # every comparison made, whatever matches
+                if any([hmac.compare_digest(candidate, key) for candidate in presented]):
+                    tenant = name
+            if tenant is None:
+                await self._refuse(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        message = "missing or incorrect API key"
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        if any(name.lower() in KEY_QUERY_PARAMETERS for name, _ in query):
+            message += (
+                ": a key in the URL is not accepted (URLs end up in logs); send it in the "
+                "Authorization: Bearer header (or x-api-key)"
+            )
+        error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.response(scope["path"])(scope, receive, send)
+
+
+def tenant_of(request: Request) -> str:
+    """Whose request this is: its API key's tenant, or the one anonymous tenant of a server
+    without keys."""
+    tenant: str = getattr(request.state, "tenant", ANONYMOUS_TENANT)
+    return tenant
 
 
 class LimitRequestBytes:

@@ -213,6 +213,9 @@ class SamplingRequest(OpenAIModel):
     priority: int | None = None  # None: 0; see Timeout, above
     # yaie's: None takes the server's --request-timeout (if any)
     timeout: Timeout | None = None
+    # vLLM's: the prompt shares the prefix cache only with the same tenant's requests that send the
+    # same salt (it always does with no other tenant's), e.g. to keep a proxy's users apart.
+    cache_salt: Annotated[Text, Field(min_length=1)] | None = None
 
     @property
     def include_usage(self) -> bool:

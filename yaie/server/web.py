@@ -10,8 +10,10 @@ The pages and their files are public (`PAGE_PATHS`), so that a browser can load 
 ask for the API key; the data, like the API, needs the key. The pages send it as a header,
 which is why they read event streams with fetch() rather than EventSource (it cannot send one).
 
-However many pages watch, one `SnapshotFeed` takes one snapshot per interval on the engine
-thread and serializes it once; every stream sends those same bytes. While no stream is open it
+A snapshot shows the whole engine's load but only the viewer's own text and request ids
+(yaie/engine/snapshot.py), so each tenant (API key) has its feed. However many of its pages
+watch, one `SnapshotFeed` takes one snapshot per interval on the engine thread and serializes
+it once; every stream of that tenant sends those same bytes. While no stream is open it
 takes none, and the engine's step log stops recording a few seconds later. When the engine
 shuts down the streams end, so that open pages do not hold up the server's exit.
 """
@@ -24,10 +26,11 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
 from yaie.engine.async_engine import AsyncEngine, EngineClosedError
+from yaie.server.middleware import tenant_of
 
 SNAPSHOT_INTERVAL_S = 0.25
 STATIC_DIR = resources.files("yaie.server") / "static"
@@ -40,8 +43,9 @@ PAGE_PATHS = frozenset({"/", "/engine"} | {f"/static/{name}" for name in STATIC_
 class SnapshotFeed:
     """Engine snapshots, serialized, for any number of event streams at once."""
 
-    def __init__(self, engine: AsyncEngine, interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
+    def __init__(self, engine: AsyncEngine, viewer: str, interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
         self.engine = engine
+        self.viewer = viewer  # the tenant whose view this is
         self.interval_s = interval_s
         self._latest: bytes | None = None  # the newest event
         self._published = asyncio.Event()  # set, and replaced, at each new event
@@ -73,7 +77,7 @@ class SnapshotFeed:
         try:
             while self._num_watchers:
                 try:
-                    snapshot = await self.engine.snapshot()
+                    snapshot = await self.engine.snapshot(self.viewer)
                 except EngineClosedError as exc:
                     self._publish({"error": str(exc)})
                     return
@@ -93,7 +97,7 @@ class SnapshotFeed:
 def web_router(engine: AsyncEngine) -> APIRouter:
     """The routes above, for `app.include_router`; list PAGE_PATHS among the public paths."""
     router = APIRouter()
-    feed = SnapshotFeed(engine)
+    feeds: dict[str, SnapshotFeed] = {}  # by tenant: a few, one per API key's tenant at most
 
     @router.get("/", include_in_schema=False)
     async def chat_page() -> Response:
@@ -108,11 +112,13 @@ def web_router(engine: AsyncEngine) -> APIRouter:
         return _static(name)
 
     @router.get("/engine/state")
-    async def engine_state() -> Response:
-        return Response(_dumps(await engine.snapshot()), media_type="application/json")
+    async def engine_state(request: Request) -> Response:
+        return Response(_dumps(await engine.snapshot(tenant_of(request))), media_type="application/json")
 
     @router.get("/engine/events")
-    async def engine_events() -> StreamingResponse:
+    async def engine_events(request: Request) -> StreamingResponse:
+        tenant = tenant_of(request)
+        feed = feeds.setdefault(tenant, SnapshotFeed(engine, tenant))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(feed.stream(), media_type="text/event-stream", headers=headers)
 

@@ -42,12 +42,14 @@ class EngineScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_caching: bool,
+        long_prefill_token_threshold: int,
     ) -> None:
         self.pool = BlockPool(num_blocks)
         self.prefix_cache = RadixCache(self.pool, block_size) if prefix_caching else None
         self.scheduler = Scheduler(
-            self.pool, block_size, max_num_seqs, max_num_batched_tokens, prefix_cache=self.prefix_cache
-        )
+            self.pool, block_size, max_num_seqs, max_num_batched_tokens, prefix_cache=self.prefix_cache,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        )  # fmt: skip
 
     def add(self, seq_id: str, prompt_token_ids: list[int]) -> Sequence:
         seq = Sequence(seq_id, prompt_token_ids, SamplingParams(max_tokens=None))

@@ -27,6 +27,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from yaie.config import EngineConfig
 from yaie.engine.sequence import Sequence
 from yaie.engine.step_shape import StepShape
 from yaie.simulate.adapter import EngineScheduler, StepItem
@@ -44,6 +45,7 @@ class EngineSettings:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = EngineConfig.long_prefill_token_threshold
     draft_cost_ratio: float = 0.05  # a draft model's step time over the target's, for spec=K@A
 
 
@@ -144,11 +146,13 @@ class _Simulation:
         self.cost = cost
         self.rng = random.Random(seed)
         budget = scenario.max_num_batched_tokens or settings.max_num_batched_tokens
+        threshold = settings.long_prefill_token_threshold
         if scenario.static:  # a static batch prefills all its prompts in one forward
             budget = max(len(r.prompt_token_ids) for r in traffic.requests) * settings.max_num_seqs
+            threshold = 0
         self.engine = EngineScheduler(
             scenario.num_kv_blocks or settings.num_kv_blocks, settings.block_size, settings.max_num_seqs,
-            budget, scenario.prefix_caching,
+            budget, scenario.prefix_caching, threshold,
         )  # fmt: skip
         self.clock = 0.0
         self.arrivals: list[tuple[float, int, Request]] = []  # heap by time sent, then order of release
