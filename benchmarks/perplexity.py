@@ -1,7 +1,7 @@
 """What quantized weights cost in quality: perplexity of the bundled model over a fixed English text.
 
     python benchmarks/perplexity.py [--text /usr/share/common-licenses/GPL-3] [--window 1024]
-        [--matmul int8|tiles] [--dense DIR] [--kv-cache-dtype auto] [--max-num-batched-tokens 2048]
+        [--dense DIR] [--kv-cache-dtype auto] [--max-num-batched-tokens 2048]
         [--out benchmarks/results/perplexity.json]
 
 The text is the GPL-3 licence, present on every Debian machine. It is tokenized once with the
@@ -18,12 +18,9 @@ perplexity. Four ways of holding the same weights are scored on the same windows
 int8 and int4 start from the fp32 copy benchmarks/dense_copy.py writes (made here if missing):
 quantizing the GGUF's Q4_1 weights again is refused, as a second rounding on top of the first.
 
-The quantized layers have two matmuls (yaie/ops/native_ops.py). Decoding's few rows are quantized to
-int8 per 32 values for integer dot products; from quant_layout.DEQUANTIZED_FROM_ROWS rows on (prefill),
-tiles of the weight are dequantized and multiplied in fp32, the weights' rounding alone (for Q4_1
-that is the fp32 row itself). Scoring a prompt is a prefill, so `--matmul int8` (the default)
-raises that threshold for the run to score through the decoding path, whose error every generated
-token carries; `--matmul tiles` scores through the prefill path.
+The quantized layers quantize their activations to int8 per 32 values for integer dot products at
+any row count (yaie/ops/native_ops.py), so a prompt scored here carries the error every generated
+token does.
 
 What the KV cache stores (`--kv-cache-dtype`, auto: float16 under the quantized weights, float32
 under the dense ones) only counts where attention reads it: a window prefilled in one step
@@ -43,8 +40,6 @@ import argparse
 import gc
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +51,6 @@ from rich.table import Table
 from yaie import LLM, SamplingParams
 from yaie.config import KV_CACHE_DTYPES, EngineConfig
 from yaie.model.loader import bundled_model_path, load_tokenizer
-from yaie.ops import quant_layout
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 # The model's context is 8192 tokens, but the GPL-3 is ~7,700: one window would score the text
@@ -80,19 +74,6 @@ VARIANTS = (
     Variant("int8", "dense", "int8"),
     Variant("int4", "dense", "int4"),
 )
-
-
-@contextmanager
-def matmul_path(name: str) -> Iterator[None]:
-    """Quantized layers multiply through `name`'s kernel ("int8" or "tiles") at every row count."""
-    # Changed in place: the backend and the decode path read the one dict.
-    thresholds = quant_layout.DEQUANTIZED_FROM_ROWS
-    saved = dict(thresholds)
-    thresholds.update(dict.fromkeys(saved, sys.maxsize if name == "int8" else 1))
-    try:
-        yield
-    finally:
-        thresholds.update(saved)
 
 
 def windows(token_ids: list[int], size: int) -> list[list[int]]:
@@ -146,13 +127,7 @@ def score(
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """--matmul, --kv-cache-dtype and --max-num-batched-tokens: how `score` runs the engine."""
-    parser.add_argument(
-        "--matmul",
-        choices=("int8", "tiles"),
-        default="int8",
-        help="the quantized layers' kernel: int8 activations (decoding's) or dequantized tiles (prefill's)",
-    )
+    """--kv-cache-dtype and --max-num-batched-tokens: how `score` runs the engine."""
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="as `yaie serve`'s")
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -162,8 +137,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def render_table(rows: list[dict[str, Any]], window: int, matmul: str) -> Table:
-    table = Table(title=f"perplexity over the GPL-3, {window}-token windows, {matmul} quantized matmuls")
+def render_table(rows: list[dict[str, Any]], window: int) -> Table:
+    table = Table(title=f"perplexity over the GPL-3, {window}-token windows")
     columns = ("weights", "linear layers", "KV cache", "MiB resident", "mean NLL", "perplexity", "x fp32")
     for column in (*columns, "floor"):
         table.add_column(column, justify="right")
@@ -201,14 +176,13 @@ def main() -> int:
     console.print(f"{args.text}: {len(token_ids)} tokens, {len(prompts)} windows of {args.window}")
 
     rows = []
-    with matmul_path(args.matmul):
-        for variant in VARIANTS:
-            rows.append(score(variant, str(gguf if variant.source == "gguf" else dense), prompts, args))
-            console.log(f"{variant.name}: perplexity {rows[-1]['perplexity']:.4f}")
+    for variant in VARIANTS:
+        rows.append(score(variant, str(gguf if variant.source == "gguf" else dense), prompts, args))
+        console.log(f"{variant.name}: perplexity {rows[-1]['perplexity']:.4f}")
     baseline = rows[0]["perplexity"]
     for row in rows:
         row["ratio_to_fp32"] = row["perplexity"] / baseline
-    console.print(render_table(rows, args.window, args.matmul))
+    console.print(render_table(rows, args.window))
 
     missed = [r["name"] for r in rows if r["name"] in FLOORS and r["ratio_to_fp32"] > FLOORS[r["name"]]]
     report = {
@@ -218,7 +192,6 @@ def main() -> int:
             "text": str(args.text),
             "text_tokens": len(token_ids),
             "window": args.window,
-            "matmul": args.matmul,
             "kv_cache_dtype": args.kv_cache_dtype,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "windows": len(prompts),

@@ -1,7 +1,7 @@
 """Quality per GGUF type against llama.cpp's: yaie's perplexity ratio to F16 beside llama-perplexity's.
 
     python benchmarks/perplexity_llamacpp.py [--types Q4_0 Q4_K_M ...] [--ctx 512] [--chunks 14]
-        [--text /usr/share/common-licenses/GPL-3] [--matmul int8|tiles] [--kv-cache-dtype auto]
+        [--text /usr/share/common-licenses/GPL-3] [--kv-cache-dtype auto]
         [--threads N] [--gguf-dir ~/.cache/yaie/gguf] [--peers /tmp/peers]
         [--out benchmarks/results/perplexity_llamacpp.json]
 
@@ -30,8 +30,7 @@ Both engines score the same tokens the same way, llama-perplexity's way
 yaie gets each chunk as a prompt of token ids through `LLM.generate` with
 `SamplingParams(prompt_logprobs=0)` (benchmarks/perplexity.py's `score`), loading each file with
 `quantization="auto"`: the stored types as stored, F16 dense. llama.cpp multiplies its quantized
-weights by activations rounded to 8 bits (Q8_0 / Q8_K); `--matmul int8`, the default, scores
-yaie's quantized layers through its own 8-bit-activation kernel too (perplexity.py's --matmul).
+weights by activations rounded to 8 bits (Q8_0 / Q8_K), as yaie's kernels do too.
 Whether yaie's own tokenizer (transformers' conversion of the GGUF vocabulary) gives llama.cpp's
 ids is checked and reported: on SmolLM2 it differs where spaces precede a digit (llama.cpp's
 `smollm` pre-tokenizer splits the digits off first: "\\n\\n  0." is "\\n\\n  ", "0", "." to
@@ -65,7 +64,7 @@ from bench_utils import machine_info, make_console, write_report  # benchmarks/ 
 from dense_copy import DEFAULT_OUT, make_dense_copy
 from gguf import GGUFReader
 from make_gguf import llama_gguf_files
-from perplexity import DEFAULT_TEXT, Variant, add_engine_args, matmul_path, score
+from perplexity import DEFAULT_TEXT, Variant, add_engine_args, score
 from rich.console import Console
 from rich.table import Table
 
@@ -140,7 +139,7 @@ def yaie_perplexity(
 
 def render_table(rows: list[dict[str, Any]], args: argparse.Namespace, scored: int) -> Table:
     table = Table(title=f"perplexity over {args.text.name}, llama-perplexity's protocol: -c {args.ctx}, "
-                        f"{scored} tokens scored, yaie {args.matmul} quantized matmuls")  # fmt: skip
+                        f"{scored} tokens scored")  # fmt: skip
     columns = ("type", "MiB", "tensor types (F32 aside)", "yaie", "llama.cpp", "yaie ×F16", "llama ×F16",
                "agreement", "")  # fmt: skip
     for column in columns:
@@ -220,20 +219,19 @@ def main() -> int:
                   f"BOS per chunk: {add_bos}")  # fmt: skip
 
     rows = []
-    with matmul_path(args.matmul):
-        for name, path in files.items():
-            mix = type_mix(path)
-            own = base_type(name) in mix
-            row: dict[str, Any] = {"type": name, "file": str(path), "file_bytes": path.stat().st_size,
-                                   "tensor_types": mix, "holds_own_type": own}  # fmt: skip
-            row["llama"] = llama_perplexity(bin_dir, path, args)
-            row["yaie"] = yaie_perplexity(path, prompts, first + 1, args)
-            rows.append(row)
-            found = {engine: row[engine].get("perplexity", "failed") for engine in ("yaie", "llama")}
-            console.log(f"{name} ({mix}): yaie {found['yaie']}, llama.cpp {found['llama']}")
-            if row["llama"].get("chunks", chunks) != chunks:
-                console.print(f"llama-perplexity scored {row['llama']['chunks']} chunks, yaie {chunks}")
-                return 1
+    for name, path in files.items():
+        mix = type_mix(path)
+        own = base_type(name) in mix
+        row: dict[str, Any] = {"type": name, "file": str(path), "file_bytes": path.stat().st_size,
+                               "tensor_types": mix, "holds_own_type": own}  # fmt: skip
+        row["llama"] = llama_perplexity(bin_dir, path, args)
+        row["yaie"] = yaie_perplexity(path, prompts, first + 1, args)
+        rows.append(row)
+        found = {engine: row[engine].get("perplexity", "failed") for engine in ("yaie", "llama")}
+        console.log(f"{name} ({mix}): yaie {found['yaie']}, llama.cpp {found['llama']}")
+        if row["llama"].get("chunks", chunks) != chunks:
+            console.print(f"llama-perplexity scored {row['llama']['chunks']} chunks, yaie {chunks}")
+            return 1
 
     base = rows[0]
     missed = []
@@ -262,7 +260,6 @@ def main() -> int:
             "chunks": chunks,
             "scored_positions": [first + 1, args.ctx - 1],
             "scored_tokens": scored,
-            "matmul": args.matmul,
             "kv_cache_dtype": args.kv_cache_dtype,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "llama_threads": args.threads,

@@ -9,10 +9,6 @@ from yaie import LLM, InvalidRequestError, ModelLoadError, SamplingParams, Unsup
 from yaie.cache.radix_cache import RadixCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
-# The tests that compare one batch's tokens with another's run dense weights: quantized layers
-# take int8 activations below quant.DEQUANTIZED_FROM_ROWS rows and fp32 tiles above (on ISA paths
-# that take the tiles at all), so a prompt prefilled alone and the same prompt in a batch round
-# differently and may part ways.
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ path and dense."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,7 @@ def fused_and_python(llm: LLM, prompts: list[str], monkeypatch: pytest.MonkeyPat
         m.setattr(FusedDecode, "__call__", counted)
         fused = generate(llm, prompts)
     with monkeypatch.context() as m:
-        m.setattr(FusedDecode, "fits", lambda self, meta, num_tokens: False)
+        m.setattr(FusedDecode, "fits", lambda self, meta: False)
         python = generate(llm, prompts)
     return fused, python, calls
 
@@ -71,15 +70,16 @@ def test_k_quant_layers(tmp_path, vocab, batch, isa, monkeypatch):  # noqa: F811
                  "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # fmt: skip
     llm = quantized_llm(write_raw_types(tmp_path / "k.gguf", vocab, raw_types, Q.Q6_K, seed=3, tied=True))
     fused_decode = llm.engine.runner.fused_decode
-    assert fused_decode is not None and fused_decode.max_rows == sys.maxsize
+    assert fused_decode is not None
     fused, python, calls = fused_and_python(llm, PROMPTS[:batch], monkeypatch)
     assert fused == python and calls > 0
     assert fused == [generate(llm, [p])[0] for p in PROMPTS[:batch]]
 
 
 def test_q5_1_layers_beside_q8_0_ones(tmp_path, vocab, llama, isa, monkeypatch):  # noqa: F811
-    """Q5_1's 8-bit values with mins, q and k fused with a Q8_0 v (as Q5_K_M files of models
-    whose rows are not multiples of 256 store them): still one layer, so the native path runs."""
+    """Q5_1's codes q and k fused with a Q8_0 v (as Q5_K_M files of models whose rows are not
+    multiples of 256 store them), widened to 8-bit values with mins: still one layer, so the native
+    path runs."""
     layers = range(llama.config.num_hidden_layers)
     overrides = {f"model.layers.{i}.self_attn.v_proj.weight": Q.Q8_0 for i in layers}
     llm = quantized_llm(write(tmp_path, vocab, "llama", llama, Q.Q5_1, type_overrides=overrides))
@@ -98,8 +98,7 @@ def test_qkv_biases_and_a_tied_head(tmp_path, vocab, qwen2, native_kernels, monk
 def test_dense_fp32_layers(tmp_path, vocab, llama, native_kernels, monkeypatch):  # noqa: F811
     llm = quantized_llm(write(tmp_path, vocab, "llama", llama, Q.Q4_1), quantization="none")
     fused_decode = llm.engine.runner.fused_decode
-    # Dense weights take the native path at any batch: no quantized-matmul tuning applies to them.
-    assert fused_decode is not None and fused_decode.max_rows == sys.maxsize
+    assert fused_decode is not None
     fused, python, calls = fused_and_python(llm, PROMPTS, monkeypatch)
     assert fused == python and calls > 0
 

@@ -39,7 +39,7 @@ from yaie.errors import ModelLoadError, UnsupportedModelError
 from yaie.model.linear import ConcatLinear, DenseLinear
 from yaie.model.loader_hf import HFCheckpoint
 from yaie.model.quantized_linear import QuantizedLinear
-from yaie.ops import quant_layout, select_ops
+from yaie.ops import select_ops
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Our fused layers and the projections whose rows they stack, in order.
@@ -209,18 +209,24 @@ def test_runs_as_int4(tmp_path, case, native_kernels, monkeypatch):
     assert_logits_within_bound(checked_logits(ours, monkeypatch), logits(load(tmp_path / "dense", "none")))
 
 
-def test_act_order_feeds_the_dequantizing_path_the_permuted_features(tmp_path, native_kernels, monkeypatch):
-    """Prompts of DEQUANTIZED_FROM_ROWS tokens or more take the other kernel: permuted alike.
-    (The ISA path in use may never take it: here it does from 64 rows.)"""
-    monkeypatch.setitem(quant_layout.DEQUANTIZED_FROM_ROWS, select_ops(CPU).quant_isa, 64)
+def test_act_order_feeds_many_rows_the_permuted_features(tmp_path, native_kernels):
+    """A prompt's rows take the many-row kernels (whole tiles of weight rows on AVX512-VNNI):
+    permuted alike, each row bit for bit what it is alone."""
     layers = write_int4_checkpoint(tmp_path, "llama", Format("gptq", 32, desc_act=True))
     layer = load(tmp_path / "int4", "auto").model.layers[0].mlp.down_proj
+    assert layer.in_order is not None
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, layer.in_features, generator=gen)
-    expected = x.double() @ layers["model.layers.0.mlp.down_proj"].dequantized().double().T
-    # Float32 sums of in_features terms: 1e-5 of the terms' magnitudes (test_quant_kernels.py).
-    bound = 1e-5 * (x.double().abs() @ layer.dequantize().double().abs().T)
-    assert ((layer(x).double() - expected).abs() <= bound).all()
+    y = layer(x)
+    assert torch.equal(y, torch.cat([layer(x[i : i + 1]) for i in range(64)]))
+    w = layers["model.layers.0.mlp.down_proj"].dequantized().double()
+    # The activations are rounded to int8 per 32 of the permuted features: each by at most half
+    # its block's step, max|x| / 254 (test_quant_kernels.py); plus float32 sums' 1e-5.
+    permuted = x.double()[:, layer.in_order]
+    steps = permuted.abs().view(64, -1, 32).amax(-1).repeat_interleave(32, dim=1) / 254
+    steps = steps[:, torch.argsort(layer.in_order)]  # back to the features' own order
+    bound = steps @ w.abs().T + 1e-5 * (x.double().abs() @ w.abs().T)
+    assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
 
 
 def test_act_order_shards_in_different_orders_run_each_in_its_own(tmp_path, native_kernels, monkeypatch):

@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 
 T = GGMLQuantizationType
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q3_K, T.Q2_K, T.IQ4_NL, T.IQ4_XS]
-PACKED_TYPES = [t for t in TYPES if t not in KQUANT_GGML_TYPES]  # quant_layout's, with dequantized tiles
+PACKED_TYPES = [t for t in TYPES if t not in KQUANT_GGML_TYPES]  # quant_layout's
 # The byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN).
 FP16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q5_0: (0,),
@@ -166,29 +166,13 @@ def test_no_rows_give_no_rows(ggml_type, isa):
     assert layer(torch.empty(0, 256)).shape == (0, 8)
 
 
-@pytest.mark.parametrize("ggml_type", PACKED_TYPES, ids=lambda t: t.name)
-def test_many_rows_multiply_dequantized_tiles_in_fp32(ggml_type, native_kernels, monkeypatch):
-    """From DEQUANTIZED_FROM_ROWS rows on, the activations are not quantized: fp32 rounding only.
-    N spans two tiles and a padded group. (The ISA path in use may never take the tiles: here it
-    does from 64 rows.)"""
-    monkeypatch.setitem(quant.DEQUANTIZED_FROM_ROWS, ops().quant_isa, 64)
-    m, n, k = 64 + 3, quant.TILE_ROWS + 5, 512
-    raw = random_blocks(ggml_type, n, k, seed=7)
-    layer = from_gguf(raw, ggml_type, n, k, ops=ops())
-    w = torch.from_numpy(dequantize(raw, ggml_type)).double()
-    x = random_activations(m, k, seed=3)
-
-    y = layer(x.view(1, m, k))
-
-    assert y.shape == (1, m, n)
-    assert_within(y[0], x.double() @ w.T, 1e-5 * (x.double().abs() @ w.abs().T))
-
-
-@pytest.mark.parametrize("ggml_type", KQUANT_GGML_TYPES, ids=lambda t: t.name)
-def test_kquant_rows_are_batch_invariant(ggml_type, isa):
-    """A K-quant layer takes its integer kernel at any row count, tiling rows by 8, 4, 2 and 1:
-    each row's output is bit for bit what it is alone, whatever rows share its call."""
-    n, k = 45, 768
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_rows_are_batch_invariant(ggml_type, isa):
+    """Every layer takes its integer kernel at any row count, whichever of its loops (rows by 16,
+    8, 4, 2 or 1; one row two blocks at a time; whole tiles of 16 weight rows and the groups
+    left over) takes a row: each row's output is bit for bit what it is alone, whatever rows share
+    its call. 45 rows: tiles of 16 and a padded group; 23 blocks of 32: an odd count."""
+    n, k = 45, 768 if ggml_type in KQUANT_GGML_TYPES else 736
     raw = random_blocks(ggml_type, n, k, seed=12)
     layer = from_gguf(raw, ggml_type, n, k, bias=torch.randn(n), ops=ops())
     x = random_activations(23, k, seed=13)
@@ -230,13 +214,22 @@ def test_kquant_out_features_must_match_the_parts_rows(out_features, native_kern
 
 @pytest.mark.parametrize("ggml_type", PACKED_TYPES, ids=lambda t: t.name)
 def test_unpacked_blocks_are_the_factors_gguf_multiplies(ggml_type):
-    """Before packing: scale * q (+ min) per 32 values, in float32, is the weight the `gguf`
-    package dequantizes, bit for bit; values in the type of their layout (4-bit as uint8 0..15)."""
+    """Before packing: scale * value (+ min) per 32 values, in float32, is the weight the `gguf`
+    package dequantizes, bit for bit, each type in its own bits a value: the value a centred code's
+    q - offset, IQ4_NL's code's level."""
     raw = random_blocks(ggml_type, 11, 512, seed=10)
     u = unpack_gguf(raw, ggml_type, 11, 512)
-    assert u.bits == (4 if ggml_type in (T.Q4_0, T.Q4_1) else 8)
-    assert (u.mins is not None) == (ggml_type in (T.Q4_0, T.Q4_1, T.Q5_1))
-    w = u.values.astype(np.float32) * np.repeat(u.scales, quant.BLOCK, axis=1)
+    bits = {T.Q8_0: 8, T.Q5_0: 5, T.Q5_1: 5}.get(ggml_type, 4)
+    assert (u.bits, u.levels) == (bits, ggml_type == T.IQ4_NL)
+    assert u.values.dtype == (np.int8 if bits == 8 else np.uint8) and u.values.max() < (1 << bits)
+    assert (u.mins is not None) == (ggml_type in (T.Q4_1, T.Q5_1))
+    if u.levels:
+        values = quant.IQ4_LEVELS[u.values].astype(np.float32)
+    elif u.mins is None and bits != 8:
+        values = u.values.astype(np.float32) - (1 << (bits - 1))
+    else:
+        values = u.values.astype(np.float32)
+    w = values * np.repeat(u.scales, quant.BLOCK, axis=1)
     if u.mins is not None:
         w = w + np.repeat(u.mins, quant.BLOCK, axis=1)
     assert np.array_equal(w, dequantize(raw, ggml_type))

@@ -94,12 +94,14 @@ def write(tmp_path: Path, vocab, arch: str, model, qtype, **kw) -> Path:
 K_BLOCK_SCALES = {
     Q.Q4_K: ((0, 2), 2e-4), Q.Q5_K: ((0, 2), 1e-4), Q.Q6_K: ((208,), 4e-4), Q.Q3_K: ((108,), 1.5e-3),
     Q.Q2_K: ((80, 82), 1e-3), Q.IQ4_NL: ((0,), 1e-3), Q.IQ4_XS: ((0,), 5e-5),
+    Q.Q8_0: ((0,), 1e-3), Q.Q4_0: ((0,), 1e-2), Q.Q4_1: ((0, 2), 1e-2), Q.Q5_0: ((0,), 5e-3),
+    Q.Q5_1: ((0, 2), 5e-3),
 }  # fmt: skip
 
 
 def random_k_blocks(qtype, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
-    """Raw blocks of a type gguf-py cannot quantize to: random values and packed scales, small
-    float16 scales so that weights are O(1 / sqrt(cols))."""
+    """Raw blocks of a type (gguf-py cannot quantize to most): random values and packed scales,
+    small float16 scales so that weights are O(1 / sqrt(cols))."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = gen.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     offsets, spread = K_BLOCK_SCALES[qtype]
@@ -216,7 +218,6 @@ def checked_logits(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> torc
     with monkeypatch.context() as patch:
         patch.setattr(QuantizedLinear, "forward", checked_forward)
         patch.setattr(KQuantLinear, "forward", checked_forward)
-        # A prompt shorter than any path's DEQUANTIZED_FROM_ROWS (64 at least): int8 kernels run.
         result = logits(loaded)
     expected = sum(isinstance(m, (QuantizedLinear, KQuantLinear)) for m in loaded.model.modules())
     assert len(CHECKED) == expected > 0
@@ -307,10 +308,15 @@ KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
     {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_K, "gate_proj": Q.Q4_K,
      "up_proj": Q.Q4_K, "down_proj": Q.Q6_K},  # as Q4_K_M mixes them, with a Q5_K
     *(dict.fromkeys(KINDS, qtype) for qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_XS)),
-], ids=["Q4_K_M-like", "Q2_K", "Q3_K", "IQ4_XS"])  # fmt: skip
-def test_k_quants_hold_what_their_file_does(tmp_path, vocab, mix, native_kernels):
-    """A file's super-block weights take no more memory than its tensors do on disk, within 5%:
-    the records keep the file's bits (6-bit scales and mins take a byte each)."""
+    *(dict.fromkeys(KINDS, qtype) for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL)),
+    # centred codes fused beside codes with mins
+    {**dict.fromkeys(KINDS, Q.Q4_1), "k_proj": Q.Q4_0, "down_proj": Q.Q5_0},
+], ids=["Q4_K_M-like", "Q2_K", "Q3_K", "IQ4_XS", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL",
+        "Q4_0+Q4_1"])  # fmt: skip
+def test_quantized_weights_hold_what_their_file_does(tmp_path, vocab, mix, native_kernels):
+    """A file's weights take no more memory than its tensors do on disk, within 5%: every type
+    keeps the file's bits a value (the K-quants' 6-bit scales and mins take a byte each; a
+    centred code fused beside codes with mins takes a stored min)."""
     path = write_raw_types(tmp_path / "k.gguf", vocab, mix, mix["down_proj"], seed=4, tied=True)
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
     assert file_bytes <= load(path, "auto").weight_bytes <= 1.05 * file_bytes
@@ -341,8 +347,8 @@ STORED_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 @pytest.mark.parametrize("qtype", STORED_TYPES, ids=lambda q: q.name)
 def test_types_gguf_py_cannot_quantize_run_as_stored(tmp_path, vocab, qtype, native_kernels, monkeypatch):
     """Types gguf-py cannot quantize to, every projection and the LM head in `qtype` (raw
-    blocks): each runs as stored (the super-block types in their records, IQ4_NL in the 8-bit
-    layout), dequantizing to what gguf-py computes."""
+    blocks): each runs as stored (the super-block types in their records, IQ4_NL as 4-bit
+    codes), dequantizing to what gguf-py computes."""
     kinds = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     path = tmp_path / f"{qtype.name}.gguf"
     write_raw_types(path, vocab, dict.fromkeys(kinds, qtype), qtype, seed=14)
@@ -356,9 +362,10 @@ def test_types_gguf_py_cannot_quantize_run_as_stored(tmp_path, vocab, qtype, nat
     assert_logits_within_bound(ours_logits, logits(load(path, "none")), bound)
 
 
-def test_int8_mapped_shards_of_different_types_share_one_layer(tmp_path, vocab, native_kernels, monkeypatch):
-    """gate IQ4_NL beside up Q8_0 stack into one 8-bit layer; q, k IQ4_XS (super-blocks) beside v
-    IQ4_NL (8-bit) keep a part each; down Q5_0 (gguf-py quantizes it)."""
+def test_shards_of_different_widths_share_one_layer(tmp_path, vocab, native_kernels, monkeypatch):
+    """gate IQ4_NL beside up Q8_0 stack into one 8-bit layer (IQ4_NL's codes widened to their
+    levels); q, k IQ4_XS (super-blocks) beside v IQ4_NL (4-bit codes) keep a part each; down Q5_0
+    (gguf-py quantizes it)."""
     raw_types = {"q_proj": Q.IQ4_XS, "k_proj": Q.IQ4_XS, "v_proj": Q.IQ4_NL, "o_proj": Q.IQ4_XS,
                  "gate_proj": Q.IQ4_NL}  # fmt: skip
     cfg = LlamaConfig(**config_kwargs(vocab[0], 256, 256), tie_word_embeddings=False)
@@ -393,7 +400,8 @@ def test_q5_1_shards_beside_8_bit_ones_without_mins_share_one_layer(tmp_path, vo
                                                                     monkeypatch):
     """As llama.cpp's Q5_K_M writes a model whose rows are not multiples of 256: Q5_1 where it
     falls back from Q5_K, Q8_0 where from Q6_K (v, down). q, k in Q5_1 and v in Q8_0 stay one
-    8-bit layer, v's rows with zero mins; gate and up one Q5_1 layer."""
+    8-bit layer (Q5_1's codes widened, with their mins), v's rows with zero mins; gate and up one
+    Q5_1 layer in 5 bits a value."""
     overrides = {f"model.layers.{i}.{name}.weight": Q.Q8_0 for i in range(NUM_LAYERS)
                  for name in ("self_attn.v_proj", "mlp.down_proj")}  # fmt: skip
     path = write(tmp_path, vocab, "llama", llama, Q.Q5_1, type_overrides=overrides)

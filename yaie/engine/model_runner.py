@@ -71,7 +71,7 @@ class ModelRunner:
         if not plan.scheduled:  # nothing could be admitted this step
             return RunnerOutput(torch.empty(0, self.model.config.vocab_size, device=self.device))
         inputs = self._prepare(plan)
-        if self.fused_decode is not None and self.fused_decode.fits(inputs.meta, len(inputs.input_ids)):
+        if self.fused_decode is not None and self.fused_decode.fits(inputs.meta):
             hidden = self.fused_decode(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)

@@ -12,15 +12,11 @@ Whether a model has this path is decided once, when the runner binds its KV cach
 (`FusedDecode.for_model`): with the native op backend, every layer without q/k norms and its four
 projections all quantized (QuantizedLinear or KQuantLinear; float32 activations, input features
 in their own order) or all oneDNN-packed DenseLinear. The runner then takes it for every step it
-`fits`: every token a sequence's next one (no prompt or chunk, no speculative verification),
-and, with quantized weights in quant_layout's formats, fewer rows than the backend's quantized
-matmul switches to dequantized tiles at (the native op always takes the int8 kernel, as the
-layers' forward does below that; K-quant layers take their integer kernel at any row count).
+`fits`: every token a sequence's next one (no prompt or chunk, no speculative verification).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -29,7 +25,6 @@ from yaie.model.attention import AttentionMetadata
 from yaie.model.linear import DenseLinear, Linear
 from yaie.model.quantized_linear import KQuantLinear, QuantizedLinear
 from yaie.ops import NativeOps
-from yaie.ops.quant_layout import DEQUANTIZED_FROM_ROWS
 
 if TYPE_CHECKING:
     from yaie.model.llama import CausalLM, DecoderLayer
@@ -52,33 +47,30 @@ def _projection(layer: Linear) -> list[torch.Tensor | None]:
     return [layer.packed, layer.bias]
 
 
-def _max_rows(layers: list[DecoderLayer], ops: NativeOps) -> int:
-    """The most rows a step may have to take the native path, or 0 where a layer is not covered."""
-    tiles = False  # whether a layer's matmul switches to dequantized tiles at some row count
+def _covered(layers: list[DecoderLayer]) -> bool:
+    """Whether the native op covers every layer."""
     for layer in layers:
         norm, projections = layer.input_layernorm, _projections(layer)
         if layer.self_attn.q_norm is not None or norm.eps != layer.post_attention_layernorm.eps:
-            return 0
+            return False
         if all(isinstance(p, (QuantizedLinear, KQuantLinear)) for p in projections):
             # The quantized kernels take float32 activations, in the weight's own input order
             # (GPTQ's act-order permutes it, which only the layer's forward applies).
             if norm.weight.dtype != torch.float32 or any(
                 isinstance(p, QuantizedLinear) and p.in_order is not None for p in projections
             ):
-                return 0
-            tiles = tiles or any(isinstance(p, QuantizedLinear) for p in projections)
+                return False
         elif not all(isinstance(p, DenseLinear) and p.packed is not None for p in projections):
-            return 0
-    return DEQUANTIZED_FROM_ROWS[ops.quant_isa] - 1 if tiles else sys.maxsize
+            return False
+    return True
 
 
 class FusedDecode:
     """The native decode path of a model whose KV cache is bound; `for_model` says whether it has one."""
 
-    def __init__(self, model: CausalLM, ops: NativeOps, max_rows: int) -> None:
+    def __init__(self, model: CausalLM, ops: NativeOps) -> None:
         self.model = model
         self.isa_index = ops.isa_index
-        self.max_rows = max_rows
         layers = cast("list[DecoderLayer]", list(model.layers))
         self._stack: Any = (
             torch.classes.yaie.DecodeStack()
@@ -98,12 +90,11 @@ class FusedDecode:
         ops = model.ops
         if not isinstance(ops, NativeOps) or not len(model.layers):
             return None
-        max_rows = _max_rows(cast("list[DecoderLayer]", list(model.layers)), ops)
-        return cls(model, ops, max_rows) if max_rows > 0 else None
+        return cls(model, ops) if _covered(cast("list[DecoderLayer]", list(model.layers))) else None
 
-    def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens described by `meta` can take the native path."""
-        return not meta.prefills and meta.decode_token_idx is None and num_tokens <= self.max_rows
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """Whether a step described by `meta` can take the native path."""
+        return not meta.prefills and meta.decode_token_idx is None
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -2,13 +2,11 @@
 
 The types with 256-value super-blocks, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, come out as
 their super-blocks' fields (kquant_layout.KQuantFields), which keep the file's bits a value
-(yaie/ops/kquant_layout.py). Every other type is unpacked into values and scales in row order
-(quant_layout.Unpacked) and maps exactly onto one of quant_layout's two layouts: 4-bit values with
-a scale and a min per 32 (Q4_0, Q4_1), or int8 values with a scale per 32 (Q8_0; Q5_0's q - 16;
-IQ4_NL's table values) and, where the format has one, a min per 32 (Q5_1's q in 0..31 and its m).
-"Exactly": every weight dequantizes to the float32 the `gguf` package computes, the same product
-of the same two factors (plus the same min). Q5_0, Q5_1 and IQ4_NL thus take 8 bits a value in
-memory (IQ4_NL's table values are not evenly spaced, so no 4-bit scale and min reproduces them).
+(yaie/ops/kquant_layout.py). Every other type has a scale per 32 values and is unpacked into
+codes (or values) and scales in row order (quant_layout.Unpacked), in its own bits a value: 4-bit
+codes (Q4_0, Q4_1, IQ4_NL), 5-bit ones (Q5_0, Q5_1) or int8 values (Q8_0), with Q4_1's and
+Q5_1's mins. Every weight dequantizes to exactly the float32 the `gguf` package computes, the
+same product of the same two factors (plus the same min).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from yaie.ops.kquant_layout import IQ4_LEVELS, KQuantFields
+from yaie.ops.kquant_layout import KQuantFields
 from yaie.ops.quant_layout import Unpacked
 
 
@@ -33,18 +31,18 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _unpack_q8_0(blocks: np.ndarray) -> Unpacked:
     d = _fp16(blocks, 0)
-    return Unpacked(blocks[..., 2:].copy().view(np.int8), d[..., 0], None)
+    return Unpacked(blocks[..., 2:].copy().view(np.int8), d[..., 0], None, 8)
 
 
 def _unpack_q4_0(blocks: np.ndarray) -> Unpacked:
-    # d * (q - 8) == d * q + (-8 d) exactly: both products are exact in float32.
+    """d, then the codes; w = d * (q - 8)."""
     d = _fp16(blocks, 0)
-    return Unpacked(_nibbles(blocks[..., 2:]), d[..., 0], -8 * d[..., 0])
+    return Unpacked(_nibbles(blocks[..., 2:]), d[..., 0], None, 4)
 
 
 def _unpack_q4_1(blocks: np.ndarray) -> Unpacked:
     d, m = _fp16(blocks, 0), _fp16(blocks, 2)
-    return Unpacked(_nibbles(blocks[..., 4:]), d[..., 0], m[..., 0])
+    return Unpacked(_nibbles(blocks[..., 4:]), d[..., 0], m[..., 0], 4)
 
 
 def _high_bits(bits: np.ndarray, count: int) -> np.ndarray:
@@ -64,22 +62,21 @@ def _five_bits(fields: np.ndarray) -> np.ndarray:
 
 
 def _unpack_q5_0(blocks: np.ndarray) -> Unpacked:
-    """d, then the values; w = d * (q - 16)."""
+    """d, then the codes; w = d * (q - 16)."""
     d = _fp16(blocks, 0)
-    return Unpacked((_five_bits(blocks[..., 2:]).astype(np.int16) - 16).astype(np.int8), d[..., 0], None)
+    return Unpacked(_five_bits(blocks[..., 2:]), d[..., 0], None, 5)
 
 
 def _unpack_q5_1(blocks: np.ndarray) -> Unpacked:
-    """d, m, then the values; w = d * q + m: q (0..31) as int8 and m as the 8-bit layout's min,
-    both as stored."""
+    """d, m, then the codes; w = d * q + m."""
     d, m = _fp16(blocks, 0), _fp16(blocks, 2)
-    return Unpacked(_five_bits(blocks[..., 4:]).astype(np.int8), d[..., 0], m[..., 0])
+    return Unpacked(_five_bits(blocks[..., 4:]), d[..., 0], m[..., 0], 5)
 
 
 def _unpack_iq4_nl(blocks: np.ndarray) -> Unpacked:
-    """d, then 4-bit indices into IQ4_LEVELS laid out as Q4_0's values; w = d * level."""
+    """d, then 4-bit indices into IQ4_LEVELS laid out as Q4_0's codes; w = d * IQ4_LEVELS[q]."""
     d = _fp16(blocks, 0)
-    return Unpacked(IQ4_LEVELS[_nibbles(blocks[..., 2:])], d[..., 0], None)
+    return Unpacked(_nibbles(blocks[..., 2:]), d[..., 0], None, 4, levels=True)
 
 
 _UNPACKERS = {
@@ -223,4 +220,5 @@ def unpack_gguf(data: bytes | np.ndarray, ggml_type: GGMLQuantizationType | int,
         raise ValueError(f"quantized weights of type {ggml_type.name} are not supported (supported: {names})")
     u = _UNPACKERS[ggml_type](_blocks(data, ggml_type, out_features, in_features))
     mins = None if u.mins is None else u.mins.reshape(out_features, -1)
-    return Unpacked(u.values.reshape(out_features, -1), u.scales.reshape(out_features, -1), mins)
+    values, scales = u.values.reshape(out_features, -1), u.scales.reshape(out_features, -1)
+    return Unpacked(values, scales, mins, u.bits, u.levels)

@@ -206,7 +206,7 @@ class Int4Weight:
         scales = self.scales[block_groups].T  # [out, in / 32]
         mins = -(scales * zeros[block_groups].T)
         contiguous = np.ascontiguousarray
-        return Unpacked(contiguous(q.T), contiguous(scales), contiguous(mins))
+        return Unpacked(contiguous(q.T), contiguous(scales), contiguous(mins), 4)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """scale * (q - zero) [out, in], computed in float32 (exact), then cast to `dtype`."""

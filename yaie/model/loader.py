@@ -229,7 +229,7 @@ def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Stored
     unpacked = {shard: weight.unpacked() for shard, weight in shards.items() if not _is_kquant(weight)}
     runs: list[list[str | None]] = []
     for shard in order:
-        if runs and _same_layout(model.config, shards, unpacked, runs[-1], shard):
+        if runs and _same_layout(model.config, shards, runs[-1], shard):
             runs[-1].append(shard)
         else:
             runs.append([shard])
@@ -242,12 +242,12 @@ def _place_quantized(model: CausalLM, name: str, shards: dict[str | None, Stored
     replace_module(model, module_name, ConcatLinear(parts))
 
 
-def _same_layout(config: ModelConfig, shards: dict[str | None, StoredQuantized],
-                 unpacked: dict[str | None, Unpacked], run: list[str | None], b: str | None) -> bool:
+def _same_layout(config: ModelConfig, shards: dict[str | None, StoredQuantized], run: list[str | None],
+                 b: str | None) -> bool:
     """Whether shard b can join the run of shards before it in one layer: all stored dense; all
     K-quants (a new type starts a new part, so the run's rows so far must fill whole records of
-    16); or all unpacked into 4-bit values or all into 8-bit ones (quantization.fuse), taking
-    their input features in one order."""
+    16); or all in quant_layout's formats (quantization.fuse), taking their input features in
+    one order."""
     a = run[-1]
     if a not in shards or b not in shards:
         return a not in shards and b not in shards
@@ -259,7 +259,7 @@ def _same_layout(config: ModelConfig, shards: dict[str | None, StoredQuantized],
         rows = shard_rows(config, a).stop - shard_rows(config, first).start
         return _ggml_type(shards[a]) == _ggml_type(shards[b]) or rows % RECORD_ROWS == 0
     orders = [w.in_order if isinstance(w, Int4Weight) else None for w in (shards[a], shards[b])]
-    return unpacked[a].bits == unpacked[b].bits and _same_order(*orders)
+    return _same_order(*orders)
 
 
 def _ggml_type(weight: StoredQuantized) -> str:
@@ -295,7 +295,6 @@ def _part(model: CausalLM, linear: DenseLinear, shards: dict[str | None, StoredQ
         packed = [pack_kquant(stack_fields([_kquant_fields(w) for w in same])) for same in by_type]
         return KQuantLinear(packed, rows.stop - rows.start, kernel_bias, ops=model.ops)
     fused = fuse([unpacked[s] for s in run])
-    assert fused is not None  # _same_layout grouped the run
     stored = shards[first]
     order = stored.in_order if isinstance(stored, Int4Weight) else None
     in_order = None if order is None else torch.from_numpy(order)

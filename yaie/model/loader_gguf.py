@@ -117,7 +117,7 @@ class QuantizedWeight:
             return u
         heads = self.permuted_heads
         mins = None if u.mins is None else unpermute_qk(u.mins, heads)
-        return Unpacked(unpermute_qk(u.values, heads), unpermute_qk(u.scales, heads), mins)
+        return Unpacked(unpermute_qk(u.values, heads), unpermute_qk(u.scales, heads), mins, u.bits, u.levels)
 
     def kquant_fields(self) -> KQuantFields:
         """A K-quant weight's super-block fields in HF row order."""

@@ -28,18 +28,24 @@ from yaie.ops.quant_layout import Unpacked
 GROUP_SIZE = 32  # values per scale of int8 / int4 at load: the kernels' block
 
 
-def fuse(shards: list[Unpacked]) -> Unpacked | None:
-    """The shards of a fused projection (q, k, v; gate, up) stacked by rows, or None where their
-    layouts cannot share one packed weight (4-bit beside 8-bit). 8-bit shards without mins beside
-    ones with them (Q8_0 beside Q5_1, as Q5_K_M files mix them) take zero mins: their weights are
-    unchanged, and the projection stays one layer."""
-    if len({u.bits for u in shards}) > 1:
-        return None
+def fuse(shards: list[Unpacked]) -> Unpacked:
+    """The shards of a fused projection (q, k, v; gate, up) stacked by rows, in one packed layout.
+    Shards of one layout stack as they are. Where layouts differ (Q5_1 q and k beside a Q8_0 v,
+    as files of models whose rows are no multiple of 256 mix them), the narrower ones widen to
+    the widest (Unpacked.widened): every weight is unchanged and the projection stays one layer,
+    at the cost of the widened shards' extra bits."""
+    layouts = {(u.bits, u.levels) for u in shards}
+    if len(layouts) > 1:
+        bits = 8 if any(levels for _, levels in layouts) else max(bits for bits, _ in layouts)
+        shards = [u.widened(bits) for u in shards]
+    if any(u.mins is not None for u in shards):
+        shards = [u.with_mins() for u in shards]
+    first = shards[0]
     values, scales = np.concatenate([u.values for u in shards]), np.concatenate([u.scales for u in shards])
-    if all(u.mins is None for u in shards):
-        return Unpacked(values, scales, None)
-    mins = np.concatenate([np.zeros_like(u.scales) if u.mins is None else u.mins for u in shards])
-    return Unpacked(values, scales, mins)
+    mins = None
+    if first.mins is not None:
+        mins = np.concatenate([np.zeros_like(u.scales) if u.mins is None else u.mins for u in shards])
+    return Unpacked(values, scales, mins, first.bits, first.levels)
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -63,7 +63,7 @@ class QuantizedLinear(Linear):
             blocks = w.reshape(n, k // BLOCK, BLOCK)
             scale = np.abs(blocks).max(axis=-1) / 127
             q = np.round(blocks / np.where(scale > 0, scale, 1)[..., None])
-            unpacked = Unpacked(q.astype(np.int8).reshape(n, k), scale, None)
+            unpacked = Unpacked(q.astype(np.int8).reshape(n, k), scale, None, 8)
         elif scheme == "int4":
             if group_size % BLOCK or k % group_size:
                 raise ValueError(f"int4 group_size must be a multiple of {BLOCK} dividing in_features={k}")
@@ -74,7 +74,7 @@ class QuantizedLinear(Linear):
             # The kernels scale every 32 values: a larger group repeats its scale and min.
             repeat = group_size // BLOCK
             unpacked = Unpacked(q.astype(np.uint8).reshape(n, k), scale.repeat(repeat, axis=-1),
-                                low.repeat(repeat, axis=-1))
+                                low.repeat(repeat, axis=-1), 4)
         else:
             raise ValueError(f"unknown quantization {scheme!r} (supported: int8, int4)")
         return cls(*pack_weight(unpacked), n, bias, scheme, ops=ops)

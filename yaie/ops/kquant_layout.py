@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from yaie.ops.quant_layout import IQ4_LEVELS
+
 SUPER = 256  # values per super-block
 RECORD_ROWS = 16  # weight rows per record
 # Record bytes per type; the record size is what names a packed tensor's type.
@@ -29,8 +31,6 @@ _PLANE_BYTES = {4: 2048, 2: 1024, 1: 512}
 # w = d * scale * (q - offset).
 _OFFSETS = {"Q6_K": 32, "Q3_K": 4}
 _PER16 = ("Q6_K", "Q3_K", "Q2_K")  # a scale per 16 values, else per 32
-# IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a 4-bit index picks one.
-IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from yaie.ops import kernels
-from yaie.ops.quant_layout import BLOCK, DEQUANTIZED_FROM_ROWS, ISAS, TILE_ROWS
+from yaie.ops.quant_layout import BLOCK, ISAS
 from yaie.ops.torch_ops import TorchOps
 
 
@@ -90,16 +90,15 @@ class NativeOps(TorchOps):
         in_order: torch.Tensor | None,
         out_features: int,
     ) -> torch.Tensor:
-        # Decoding calls this ~120 times a token with one row: each op spared here counts.
+        # Decoding calls this ~120 times a token with one row: each op spared here counts. Always
+        # the integer kernel, at any row count: its per-row arithmetic never depends on how many
+        # rows there are, so prompts and batches get exactly a lone row's results.
         rows = x.reshape(-1, qweight.shape[1] * BLOCK)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         if in_order is not None:
             rows = rows.index_select(1, in_order)
-        if rows.shape[0] >= DEQUANTIZED_FROM_ROWS[self.quant_isa]:
-            y = kernels.quant_matmul_dequantized(rows, qweight, scales, mins, bias, out_features, TILE_ROWS)
-        else:
-            y = kernels.quant_matmul(rows, qweight, scales, mins, bias, out_features, self.isa_index)
+        y = kernels.quant_matmul(rows, qweight, scales, mins, bias, out_features, self.isa_index)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -3,7 +3,8 @@
 //
 // These types keep a 256-value super-block per row with a float16 scale (and min) and small
 // integer scales per 32 or 16 values; kept so, a weight costs what its file does (2.6 to 6.6 bits
-// a value), where quant_common.h's layout, with a float scale per 32, costs 6 to 10.
+// a value), where quant_common.h's layouts, with a float16 scale per 32, would cost 4.5 to 8.5 and
+// a float multiply per 32 values.
 // yaie/ops/kquant_layout.py repacks the file's blocks once at load, without changing a value,
 // into records of 16 weight rows by one super-block, each one contiguous read. A record is its
 // type's planes of value bits, then its scales, then its float16 factors:

@@ -1,16 +1,14 @@
 // Matmuls with quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x fp32, W packed as
 // quant_common.h describes (GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL, AWQ / GPTQ int4, or
-// int8 / int4 quantized at load, all packed into two formats by yaie/ops/quant_layout.py; the
-// K-quants have their own kernels, kquant.cpp).
+// int8 / int4 quantized at load, packed by yaie/ops/quant_layout.py; the K-quants have their own
+// kernels, kquant.cpp).
 //
-// Few rows (decoding): each activation row is quantized once to int8 blocks of 32, then every
-// block is an integer dot product and one scale FMA (plus one for the min, where there is one), in
-// the ISA path the caller names: scalar here, the SIMD ones in quant_x86.cpp. Decoding reads each
-// weight once per step, so reading 4-5 bits instead of 32 is what makes it fast.
-//
-// Many rows (prefill): the weights are dequantized a tile of rows at a time into a buffer that
-// stays in cache and multiplied with at::mm, whose fp32 GEMM is faster than the int8 kernel once
-// the dequantization is shared by enough rows (benchmarks/quant_matmul.py measures where).
+// Each activation row is quantized once to int8 blocks of 32, then every block is an integer dot
+// product and one scale FMA (plus one for the min, where there is one), in the ISA path the
+// caller names: scalar here, the SIMD ones in quant_x86.cpp and quant_avx512.cpp. Decoding reads
+// each weight once per step, so reading 4-8 bits instead of 32 is what makes it fast. Prompts
+// and batches take the same kernels, whose per-row arithmetic does not depend on how many rows
+// there are (quant_common.h): a row's results are a lone row's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,11 +38,27 @@ float stored_float(const void* values, int64_t i, bool half) {
   return static_cast<const float*>(values)[i];
 }
 
+// Value i (0..31) of row r (0..3) in a group's block at qw, as the integer the dot product takes:
+// the code (a centred code's offset is taken as a min), IQ4_NL's level, or the int8 value.
+int32_t value_at(const PackedWeights& w, const uint8_t* qw, int64_t r, int64_t i) {
+  if (w.bits == 8) return reinterpret_cast<const int8_t*>(qw)[r * 32 + i];
+  int32_t code = (qw[(r / 2) * 32 + i] >> (4 * (r % 2))) & 0x0F;
+  if (w.bits == 5) code |= ((qw[64 + 4 * r + i / 8] >> (i % 8)) & 1) << 4;
+  return w.levels ? kIq4NlLevels[code] : code;
+}
+
+// The min of row r in block wb: stored, -offset * scale for centred codes, else 0.
+float min_at(const PackedWeights& w, int64_t wb, int64_t r) {
+  if (w.mins != nullptr) return stored_float(w.mins, wb * 4 + r, w.half_scales);
+  return static_cast<float>(-w.offset()) * stored_float(w.scales, wb * 4 + r, w.half_scales);
+}
+
 }  // namespace
 
 void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                    int64_t ldy) {
-  const int64_t bytes = w.bits == 4 ? 64 : 128;
+  const int64_t bytes = block_bytes(w.bits);
+  const bool has_min = w.mins != nullptr || w.offset() != 0;
   for (int64_t g = first; g < last; ++g) {
     for (int64_t m = 0; m < x.rows; ++m) {
       for (int64_t r = 0; r < kGroupRows; ++r) {
@@ -55,16 +69,9 @@ void matmul_scalar(const PackedWeights& w, const QuantizedRows& x, int64_t first
           const uint8_t* qw = w.qweight + wb * bytes;
           const int8_t* xq = x.q + xb * kBlock;
           int32_t dot = 0;
-          if (w.bits == 4) {
-            const uint8_t* pair = qw + (r / 2) * 32;
-            const int shift = 4 * (r % 2);
-            for (int64_t i = 0; i < kBlock; ++i) dot += ((pair[i] >> shift) & 0x0F) * xq[i];
-          } else {
-            const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
-            for (int64_t i = 0; i < kBlock; ++i) dot += q[i] * xq[i];
-          }
-          acc += static_cast<float>(dot) * (stored_float(w.scales, wb * 4 + r, w.half_scales) * x.d[xb]);
-          if (w.mins != nullptr) acc += stored_float(w.mins, wb * 4 + r, w.half_scales) * x.s[xb];
+          for (int64_t i = 0; i < kBlock; ++i) dot += value_at(w, qw, r, i) * xq[i];
+          acc = std::fma(static_cast<float>(dot), stored_float(w.scales, wb * 4 + r, w.half_scales) * x.d[xb], acc);
+          if (has_min) acc = std::fma(min_at(w, wb, r), x.s[xb], acc);
         }
         y[m * ldy + g * kGroupRows + r] = acc;
       }
@@ -129,9 +136,9 @@ bool isa_supported(int64_t isa) {
       return avx2 && __builtin_cpu_supports("avxvnni");
     case kAvx512Vnni:
       return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512vnni");
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     case kAvx512Amx:
-      return isa_supported(kAvx512Vnni) && __builtin_cpu_supports("avx512bw") && amx_usable();
+      return isa_supported(kAvx512Vnni) && amx_usable();
     default:
       return false;
   }
@@ -199,18 +206,32 @@ PackedWeights packed_view(const at::Tensor& qweight, const at::Tensor& scales, c
   TORCH_CHECK(scales.size(0) == qweight.size(0) && scales.size(1) == qweight.size(1),
               "scales and qweight disagree on groups or blocks");
   PackedWeights w{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), nullptr, qweight.size(0),
-                  qweight.size(1), 0, scales.scalar_type() == at::kHalf};
-  const bool four_bit = qweight.scalar_type() == at::kByte && qweight.size(2) == 64;
-  TORCH_CHECK(four_bit || (qweight.scalar_type() == at::kChar && qweight.size(2) == 128),
-              "qweight must be uint8 [groups, K/32, 64] (4-bit) or int8 [groups, K/32, 128] (8-bit)");
+                  qweight.size(1), 0, false, scales.scalar_type() == at::kHalf};
+  const bool is_signed = qweight.scalar_type() == at::kChar;
+  TORCH_CHECK(is_signed || qweight.scalar_type() == at::kByte, "qweight must be uint8 or int8");
+  switch (qweight.size(2)) {
+    case 64:
+      w.bits = 4;
+      w.levels = is_signed;
+      break;
+    case 80:
+      TORCH_CHECK(!is_signed, "5-bit codes are uint8");
+      w.bits = 5;
+      break;
+    case 128:
+      TORCH_CHECK(is_signed, "8-bit values are int8");
+      w.bits = 8;
+      break;
+    default:
+      TORCH_CHECK(false, "qweight must be [groups, K/32, 64, 80 or 128] (4, 5 or 8 bits a value)");
+  }
   TORCH_CHECK(scales.size(2) == 4, "weights take one scale per 32 values");
-  TORCH_CHECK(mins.has_value() || !four_bit, "4-bit weights need mins");
   if (mins.has_value()) {
     TORCH_CHECK(mins->sizes() == scales.sizes() && mins->is_contiguous() && mins->scalar_type() == scales.scalar_type(),
                 "mins must be shaped and typed like the scales");
+    TORCH_CHECK(!w.levels, "IQ4_NL codes take no mins");
     w.mins = mins->data_ptr();
   }
-  w.bits = four_bit ? 4 : 8;
   return w;
 }
 
@@ -249,31 +270,17 @@ namespace {
 
 // Row r (0-3) of group g, all its K values as floats, into out.
 void dequantize_row(const PackedWeights& w, int64_t g, int64_t r, float* out) {
-  const int64_t bytes = w.bits == 4 ? 64 : 128;
+  const int64_t bytes = block_bytes(w.bits);
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int64_t wb = g * w.blocks + b;
     const uint8_t* qw = w.qweight + wb * bytes;
     float* o = out + b * kBlock;
     const float scale = stored_float(w.scales, wb * 4 + r, w.half_scales);
     const float min = w.mins != nullptr ? stored_float(w.mins, wb * 4 + r, w.half_scales) : 0.f;
-    if (w.bits == 4) {
-      const uint8_t* pair = qw + (r / 2) * 32;
-      const int shift = 4 * (r % 2);
-      for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>((pair[i] >> shift) & 0x0F) + min;
-    } else {
-      const int8_t* q = reinterpret_cast<const int8_t*>(qw) + r * 32;
-      for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>(q[i]) + min;
-    }
+    // A centred code is dequantized as the file's scale * (q - offset): exact, as gguf computes it.
+    const int offset = w.offset();
+    for (int64_t i = 0; i < kBlock; ++i) o[i] = scale * static_cast<float>(value_at(w, qw, r, i) - offset) + min;
   }
-}
-
-void dequantize_groups(const PackedWeights& w, int64_t first, int64_t last, float* out) {
-  const int64_t k = w.blocks * kBlock;
-  at::parallel_for(first, last, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t r = 0; r < kGroupRows; ++r) dequantize_row(w, g, r, out + ((g - first) * kGroupRows + r) * k);
-    }
-  });
 }
 
 // Embedding lookup in a quantized table (a tied LM head's weight): only the tokens' rows are
@@ -296,25 +303,6 @@ at::Tensor quant_embedding(const at::Tensor& qweight, const at::Tensor& scales, 
   return out;
 }
 
-at::Tensor quant_matmul_dequantized(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
-                                    int64_t out_features, int64_t tile_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K]");
-  const PackedWeights w = packed_view(qweight, scales, mins);
-  TORCH_CHECK(x.size(1) == w.blocks * kBlock, "x has ", x.size(1), " features, the weight ", w.blocks * kBlock);
-  TORCH_CHECK(tile_rows > 0 && tile_rows % kGroupRows == 0, "tile_rows must be a positive multiple of 4");
-  const int64_t tile_groups = tile_rows / kGroupRows;
-  at::Tensor y = at::empty({x.size(0), w.groups * kGroupRows}, x.options());
-  at::Tensor tile = at::empty({tile_rows, x.size(1)}, x.options());
-  for (int64_t g = 0; g < w.groups; g += tile_groups) {
-    const int64_t groups = std::min(tile_groups, w.groups - g);
-    at::Tensor t = tile.narrow(0, 0, groups * kGroupRows);
-    dequantize_groups(w, g, g + groups, t.data_ptr<float>());
-    y.narrow(1, g * kGroupRows, groups * kGroupRows).copy_(at::mm(x, t.t()));
-  }
-  return finish(y, out_features, bias);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(yaie, m) {
@@ -322,14 +310,10 @@ TORCH_LIBRARY_FRAGMENT(yaie, m) {
   m.def(
       "quant_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, int isa) "
       "-> Tensor");
-  m.def(
-      "quant_matmul_dequantized(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, "
-      "int out_features, int tile_rows) -> Tensor");
   m.def("quant_embedding(Tensor qweight, Tensor scales, Tensor? mins, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(yaie, CPU, m) {
   m.impl("quant_matmul", &yaie_quant::quant_matmul);
-  m.impl("quant_matmul_dequantized", &quant_matmul_dequantized);
   m.impl("quant_embedding", &quant_embedding);
 }

@@ -38,18 +38,22 @@ static inline __m256i sums16_4rows(const __m256i w[4], __m256i x) {
   return _mm256_add_epi16(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
 }
 
+// Which values a weight's blocks unpack to, and the min each block takes.
+enum MinTerm { kNoMin, kStoredMin, kCentred };  // kCentred: min = -offset * scale
+
 // Two consecutive blocks' dot products as 8 int32 lanes, the four rows' sums over block b and
 // then over block b + 1, each the sum of dot_4rows' two halves: the layout of the blocks' eight
-// scales in memory, so scaling a pair takes one load and one multiply.
-template <int kBits>
+// scales in memory, so scaling a pair takes one load and one multiply. kSigned: the weights'
+// values are signed (8-bit values, IQ4_NL's levels), else unsigned codes of kBits bits.
+template <int kBits, bool kSigned>
 static inline __m256i pair_dots(const __m256i w0[4], const __m256i w1[4], __m256i x0, __m256i x1) {
-  if constexpr (kBits == 4 && kSums16) {
+  if constexpr (kBits == 4 && !kSigned && kSums16) {
     const __m256i s0 = sums16_4rows(w0, x0), s1 = sums16_4rows(w1, x1);
     const __m256i halves =
         _mm256_add_epi16(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
     return _mm256_madd_epi16(halves, _mm256_set1_epi16(1));
   } else {
-    const __m256i d0 = dot_4rows(w0, x0, kBits == 8), d1 = dot_4rows(w1, x1, kBits == 8);
+    const __m256i d0 = dot_4rows(w0, x0, kSigned), d1 = dot_4rows(w1, x1, kSigned);
     return _mm256_add_epi32(_mm256_permute2x128_si256(d0, d1, 0x20), _mm256_permute2x128_si256(d0, d1, 0x31));
   }
 }
@@ -69,10 +73,24 @@ static inline __m256 broadcast_pair(const float* p) {
   return _mm256_set_m128(_mm_broadcast_ss(p + 1), _mm_broadcast_ss(p));
 }
 
-// One block of a group (64 or 128 bytes) as the four rows' 32 values, one register each.
-template <int kBits>
+// 32 bits (bit i of a little-endian uint32 at p) as 32 bytes, 0x10 where the bit is set: a
+// 5-bit code's fifth bit in place. Byte i takes byte i / 8 of the word, then its bit i % 8.
+static inline __m256i fifth_bits(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(bits), _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// One block of a group (quant_common.h: 64, 80 or 128 bytes) as the four rows' 32 values, one
+// register each: codes, IQ4_NL's levels (kLevels) or int8 values.
+template <int kBits, bool kLevels>
 static inline void unpack_block(const uint8_t* p, __m256i w[4]) {
-  if constexpr (kBits == 4) {
+  if constexpr (kBits == 8) {
+    for (int r = 0; r < 4; ++r) w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * r));
+  } else {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i pair01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i pair23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
@@ -80,9 +98,26 @@ static inline void unpack_block(const uint8_t* p, __m256i w[4]) {
     w[1] = _mm256_and_si256(_mm256_srli_epi16(pair01, 4), nibble);
     w[2] = _mm256_and_si256(pair23, nibble);
     w[3] = _mm256_and_si256(_mm256_srli_epi16(pair23, 4), nibble);
-  } else {
-    for (int r = 0; r < 4; ++r) w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * r));
+    if constexpr (kBits == 5) {
+      for (int r = 0; r < 4; ++r) w[r] = _mm256_or_si256(w[r], fifth_bits(p + 64 + 4 * r));
+    }
+    if constexpr (kLevels) {
+      const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlLevels)));
+      for (int r = 0; r < 4; ++r) w[r] = _mm256_shuffle_epi8(levels, w[r]);
+    }
   }
+}
+
+// A block's four (or a pair's eight) mins: stored, or -offset * scale for centred codes.
+template <MinTerm kMin, int kBits, typename Scale>
+static inline __m128 mins4(const Scale* mins, const Scale* scales) {
+  if constexpr (kMin == kStoredMin) return load4(mins);
+  return _mm_mul_ps(load4(scales), _mm_set1_ps(-static_cast<float>(1 << (kBits - 1))));
+}
+template <MinTerm kMin, int kBits, typename Scale>
+static inline __m256 mins8(const Scale* mins, const Scale* scales) {
+  if constexpr (kMin == kStoredMin) return load8(mins);
+  return _mm256_mul_ps(load8(scales), _mm256_set1_ps(-static_cast<float>(1 << (kBits - 1))));
 }
 
 static inline __m256i load_block(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -97,97 +132,114 @@ constexpr int64_t kPrefetchBlocks = 32;
 
 // One group of four weight rows against kRows activation rows starting at m, a block at a time:
 // the weights are unpacked once per block and used for every row, the register blocking of the
-// many-row case. kMins: the weight has mins (always with 4 bits; with 8, Q5_1's).
-template <int kBits, bool kMins, int kRows, typename Scale>
+// many-row case. Per row and block, the order quant_common.h gives: the block's exact int32 dot
+// products, one scale FMA, one min FMA.
+template <int kBits, bool kLevels, MinTerm kMin, int kRows, typename Scale>
 static inline void group_rows(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y,
                               int64_t ldy) {
-  constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
+  constexpr int64_t kBytes = block_bytes(kBits);
+  constexpr bool kSigned = kBits == 8 || kLevels;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
   const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 4;
-  const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
+  const Scale* mins = kMin == kStoredMin ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
 
-  __m256 acc[kRows];  // lanes 0-3 the rows' sums over values 0-15 of each block, 4-7 over 16-31
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  __m128 acc[kRows];  // the four weight rows' sums
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m256i wq[4];
-    unpack_block<kBits>(qw + b * kBytes, wq);
-    const __m128 four = load4(scales + b * 4);
-    const __m256 scale = _mm256_set_m128(four, four);
-    // The min term is added once per row: in the low half only.
-    __m256 min = _mm256_setzero_ps();
-    if constexpr (kMins) min = _mm256_insertf128_ps(min, load4(mins + b * 4), 0);
+    unpack_block<kBits, kLevels>(qw + b * kBytes, wq);
+    const __m128 scale = load4(scales + b * 4);
+    __m128 min = _mm_setzero_ps();
+    if constexpr (kMin != kNoMin) min = mins4<kMin, kBits>(mins + b * 4, scales + b * 4);
     for (int r = 0; r < kRows; ++r) {
       const int64_t xb = (m + r) * x.blocks + b;
-      const __m256i dots = dot_4rows(wq, load_block(x.q + xb * kBlock), kBits == 8);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[xb])), acc[r]);
-      if constexpr (kMins) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x.s[xb]), acc[r]);
+      const __m256i d = dot_4rows(wq, load_block(x.q + xb * kBlock), kSigned);
+      const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(scale, _mm_set1_ps(x.d[xb])), acc[r]);
+      if constexpr (kMin != kNoMin) acc[r] = _mm_fmadd_ps(min, _mm_set1_ps(x.s[xb]), acc[r]);
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    _mm_storeu_ps(y + (m + r) * ldy + g * 4, sum);
-  }
+  for (int r = 0; r < kRows; ++r) _mm_storeu_ps(y + (m + r) * ldy + g * 4, acc[r]);
 }
 
-// group_rows for one activation row, two blocks at a time: a pair's eight dot products take one scale load and multiply
-// (pair_dots), where a block at a time spends as much on its four scales as on its products.
-// With several rows the scales are shared by all of them, and two blocks' unpacked weights
-// would not leave registers for four rows: group_rows keeps that case.
-template <int kBits, bool kMins, typename Scale>
+// group_rows for one activation row, two blocks at a time: a pair's eight dot products take one
+// scale load and multiply (pair_dots), where a block at a time spends as much on its four scales
+// as on its products; the pair's two halves are then added to the sums one block after the other,
+// as group_rows does. With several rows the scales are shared by all of them, and two blocks'
+// unpacked weights would not leave registers for four rows: group_rows keeps that case.
+template <int kBits, bool kLevels, MinTerm kMin, typename Scale>
 static inline void group_row_pairs(const PackedWeights& w, const QuantizedRows& x, int64_t g, int64_t m, float* y) {
-  constexpr int64_t kBytes = kBits == 4 ? 64 : 128;
+  constexpr int64_t kBytes = block_bytes(kBits);
+  constexpr bool kSigned = kBits == 8 || kLevels;
   const uint8_t* qw = w.qweight + g * w.blocks * kBytes;
   const Scale* scales = static_cast<const Scale*>(w.scales) + g * w.blocks * 4;
-  const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
+  const Scale* mins = kMin == kStoredMin ? static_cast<const Scale*>(w.mins) + g * w.blocks * 4 : nullptr;
   const int64_t row = m * x.blocks;
 
-  __m256 acc = _mm256_setzero_ps();  // lanes 0-3 the rows' sums over even blocks, 4-7 over odd ones
+  __m128 acc = _mm_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= w.blocks; b += 2) {
-    if constexpr (kBits == 4) {
+    if constexpr (kBits != 8) {
       _mm_prefetch(reinterpret_cast<const char*>(qw + (b + kPrefetchBlocks) * kBytes), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(qw + (b + 1 + kPrefetchBlocks) * kBytes), _MM_HINT_T0);
     }
     __m256i w0[4], w1[4];
-    unpack_block<kBits>(qw + b * kBytes, w0);
-    unpack_block<kBits>(qw + (b + 1) * kBytes, w1);
+    unpack_block<kBits, kLevels>(qw + b * kBytes, w0);
+    unpack_block<kBits, kLevels>(qw + (b + 1) * kBytes, w1);
     const int64_t xb = row + b;
-    const __m256i dots = pair_dots<kBits>(w0, w1, load_block(x.q + xb * kBlock), load_block(x.q + (xb + 1) * kBlock));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(load8(scales + b * 4), broadcast_pair(x.d + xb)), acc);
-    if constexpr (kMins) acc = _mm256_fmadd_ps(load8(mins + b * 4), broadcast_pair(x.s + xb), acc);
+    const __m256i dots =
+        pair_dots<kBits, kSigned>(w0, w1, load_block(x.q + xb * kBlock), load_block(x.q + (xb + 1) * kBlock));
+    const __m256 products = _mm256_cvtepi32_ps(dots);
+    const __m256 scale = _mm256_mul_ps(load8(scales + b * 4), broadcast_pair(x.d + xb));
+    __m256 min = _mm256_setzero_ps(), sums = _mm256_setzero_ps();
+    if constexpr (kMin != kNoMin) {
+      min = mins8<kMin, kBits>(mins + b * 4, scales + b * 4);
+      sums = broadcast_pair(x.s + xb);
+    }
+    acc = _mm_fmadd_ps(_mm256_castps256_ps128(products), _mm256_castps256_ps128(scale), acc);
+    if constexpr (kMin != kNoMin) acc = _mm_fmadd_ps(_mm256_castps256_ps128(min), _mm256_castps256_ps128(sums), acc);
+    acc = _mm_fmadd_ps(_mm256_extractf128_ps(products, 1), _mm256_extractf128_ps(scale, 1), acc);
+    if constexpr (kMin != kNoMin) acc = _mm_fmadd_ps(_mm256_extractf128_ps(min, 1), _mm256_extractf128_ps(sums, 1), acc);
   }
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   if (b < w.blocks) {  // an odd number of blocks: the last one alone
     __m256i w0[4];
-    unpack_block<kBits>(qw + b * kBytes, w0);
+    unpack_block<kBits, kLevels>(qw + b * kBytes, w0);
     const int64_t xb = row + b;
-    const __m256i d = dot_4rows(w0, load_block(x.q + xb * kBlock), kBits == 8);
+    const __m256i d = dot_4rows(w0, load_block(x.q + xb * kBlock), kSigned);
     const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
-    sum = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(load4(scales + b * 4), _mm_set1_ps(x.d[xb])), sum);
-    if constexpr (kMins) sum = _mm_fmadd_ps(load4(mins + b * 4), _mm_set1_ps(x.s[xb]), sum);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(load4(scales + b * 4), _mm_set1_ps(x.d[xb])), acc);
+    if constexpr (kMin != kNoMin) {
+      acc = _mm_fmadd_ps(mins4<kMin, kBits>(mins + b * 4, scales + b * 4), _mm_set1_ps(x.s[xb]), acc);
+    }
   }
-  _mm_storeu_ps(y + g * 4, sum);
+  _mm_storeu_ps(y + g * 4, acc);
 }
 
-template <int kBits, bool kMins, typename Scale>
+template <int kBits, bool kLevels, MinTerm kMin, typename Scale>
 static void groups_all_rows(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                             int64_t ldy) {
   for (int64_t g = first; g < last; ++g) {
     int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kMins, 4, Scale>(w, x, g, m, y, ldy);
-    for (; m < x.rows; ++m) group_row_pairs<kBits, kMins, Scale>(w, x, g, m, y + m * ldy);
+    for (; m + 4 <= x.rows; m += 4) group_rows<kBits, kLevels, kMin, 4, Scale>(w, x, g, m, y, ldy);
+    for (; m < x.rows; ++m) group_row_pairs<kBits, kLevels, kMin, Scale>(w, x, g, m, y + m * ldy);
   }
 }
 
 template <typename Scale>
 static void matmul_scaled(const PackedWeights& w, const QuantizedRows& x, int64_t first, int64_t last, float* y,
                           int64_t ldy) {
-  if (w.bits == 4) {
-    groups_all_rows<4, true, Scale>(w, x, first, last, y, ldy);
-  } else if (w.mins != nullptr) {
-    groups_all_rows<8, true, Scale>(w, x, first, last, y, ldy);
-  } else {
-    groups_all_rows<8, false, Scale>(w, x, first, last, y, ldy);
+  const bool stored = w.mins != nullptr;
+  switch (w.bits) {
+    case 4:
+      if (w.levels) return groups_all_rows<4, true, kNoMin, Scale>(w, x, first, last, y, ldy);
+      if (stored) return groups_all_rows<4, false, kStoredMin, Scale>(w, x, first, last, y, ldy);
+      return groups_all_rows<4, false, kCentred, Scale>(w, x, first, last, y, ldy);
+    case 5:
+      if (stored) return groups_all_rows<5, false, kStoredMin, Scale>(w, x, first, last, y, ldy);
+      return groups_all_rows<5, false, kCentred, Scale>(w, x, first, last, y, ldy);
+    default:
+      if (stored) return groups_all_rows<8, false, kStoredMin, Scale>(w, x, first, last, y, ldy);
+      return groups_all_rows<8, false, kNoMin, Scale>(w, x, first, last, y, ldy);
   }
 }
 

@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "quant_common.h"
 
 #pragma GCC push_options
