@@ -188,22 +188,6 @@ def quant_matmul(
     return out
 
 
-def quant_matmul_dequantized(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_features: int,
-    tile_rows: int,
-) -> torch.Tensor:
-    """quant_matmul with x kept in float32: the weight dequantized `tile_rows` rows at a time."""
-    out: torch.Tensor = torch.ops.yaie.quant_matmul_dequantized(
-        x, qweight, scales, mins, bias, out_features, tile_rows
-    )
-    return out
-
-
 def quant_embedding(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, ids: torch.Tensor
 ) -> torch.Tensor:

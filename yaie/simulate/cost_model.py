@@ -9,8 +9,8 @@ CPU: Python and kernel launches). `prefill_step` is what a step pays on top once
 prompt (or recomputed) tokens: on this engine's CPU path a step of decodes only runs all the
 layers in one native call (yaie/model/fused_decode.py), while a step with a prompt chunk runs the
 layers' Python forward. `per_prefill_token` and `per_decode_token` are the matmuls a token goes
-through; they differ because a prompt's rows are multiplied many at a time (quantized weights:
-through dequantized tiles) and a decode's one row per sequence. `per_kv_token` is attention
+through; they differ because a prompt's rows are multiplied many at a time (sharing each unpacked
+weight block) and a decode's one row per sequence. `per_kv_token` is attention
 reading the cache, `per_sample` the LM head and sampler, which only rows that sample pay (a
 prefill chunk that does not reach the prompt's end samples nothing).
 

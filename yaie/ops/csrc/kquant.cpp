@@ -1,6 +1,6 @@
 // Matmuls with K-quant weights in their super-block layout (kquant.h): the activation
-// quantization, the portable scalar kernel, the row dequantizer (embedding lookups, prefill's
-// dequantized tiles) and the ops. The SIMD kernels are in kquant_x86.cpp.
+// quantization, the portable scalar kernel, the row dequantizer (embedding lookups, the
+// torch-free reference) and the ops. The SIMD kernels are in kquant_x86.cpp.
 //
 // A projection may be several packed weights stacked by rows (a fused q/k/v whose v is Q6_K
 // beside Q4_K q and k, as llama.cpp's Q4_K_M mixes them): the op takes them as a list, quantizes
@@ -231,7 +231,7 @@ at::Tensor kquant_matmul(const at::Tensor& x, at::TensorList parts, const std::o
 }
 
 // The packed weight as float32 [groups * 16, K]: rows from `first` on, `count` of them (whole
-// groups), for prefill's dequantized tiles and the torch-free reference.
+// groups), for the torch-free reference.
 at::Tensor kquant_dequantize(const at::Tensor& packed, int64_t first_group, int64_t groups) {
   const Weights w = weights_view(packed);
   TORCH_CHECK(first_group >= 0 && groups >= 0 && first_group + groups <= w.groups, "groups out of range");
