@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -14,6 +15,16 @@ from yaie.engine.async_engine import Admission, AsyncEngine, EngineOverloadedErr
 from yaie.engine.engine import EngineStats
 
 pytestmark = pytest.mark.slow
+
+
+def run_on_engine(llm: LLM, main: Callable[[AsyncEngine], Awaitable[None]]) -> None:
+    """Runs `main` against an AsyncEngine over `llm`'s engine, which it leaves with nothing unfinished."""
+    async_engine = AsyncEngine(lambda: llm.engine)
+    try:
+        asyncio.run(main(async_engine))
+    finally:
+        async_engine.shutdown()
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_admission_counts_every_sequence_of_a_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,12 +50,7 @@ def test_admission_counts_every_sequence_of_a_request(llm: LLM, monkeypatch: pyt
             *_, final = [output async for output in stream]
             assert final.finished and len(final.outputs) == 1
 
-    async_engine = AsyncEngine(lambda: llm.engine)
-    try:
-        asyncio.run(main(async_engine))
-    finally:
-        async_engine.shutdown()
-    assert not llm.engine.has_unfinished_requests()
+    run_on_engine(llm, main)
 
 
 def test_a_tenant_at_its_bound_is_refused_while_another_gets_in(
@@ -70,9 +76,4 @@ def test_a_tenant_at_its_bound_is_refused_while_another_gets_in(
             *_, final = [output async for output in stream]
             assert final.finished
 
-    async_engine = AsyncEngine(lambda: llm.engine)
-    try:
-        asyncio.run(main(async_engine))
-    finally:
-        async_engine.shutdown()
-    assert not llm.engine.has_unfinished_requests()
+    run_on_engine(llm, main)
