@@ -118,9 +118,6 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Which min a weight's blocks take: none, stored, or -offset * scale for centred codes.
-enum MinTerm { kNoMin, kStoredMin, kCentred };
-
 // Groups g .. g+3 against activation rows m .. m+kRows-1. With signed weights (8-bit values,
 // IQ4_NL's levels) x.q holds the activations + 128.
 template <int kBits, bool kLevels, MinTerm kMin, int kRows, typename Scale>

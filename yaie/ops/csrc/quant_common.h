@@ -45,6 +45,10 @@ constexpr int64_t kBlock = 32;
 // IQ4_NL's levels (ggml's kvalues_iq4nl), which its 4-bit codes index.
 constexpr int8_t kIq4NlLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// Which min a weight's blocks take, as the kernels specialise on it: none, stored, or
+// -offset * scale for centred codes (PackedWeights::offset).
+enum MinTerm { kNoMin, kStoredMin, kCentred };
+
 // Bytes of one group's block, by bits a value.
 constexpr int64_t block_bytes(int bits) { return bits == 4 ? 64 : bits == 5 ? 80 : 128; }
 

@@ -38,9 +38,6 @@ static inline __m256i sums16_4rows(const __m256i w[4], __m256i x) {
   return _mm256_add_epi16(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
 }
 
-// Which values a weight's blocks unpack to, and the min each block takes.
-enum MinTerm { kNoMin, kStoredMin, kCentred };  // kCentred: min = -offset * scale
-
 // Two consecutive blocks' dot products as 8 int32 lanes, the four rows' sums over block b and
 // then over block b + 1, each the sum of dot_4rows' two halves: the layout of the blocks' eight
 // scales in memory, so scaling a pair takes one load and one multiply. kSigned: the weights'
